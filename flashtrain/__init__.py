@@ -1,0 +1,10 @@
+"""flashtrain: Triton FlashAttention for long-context PyTorch training.
+
+``flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False)`` is the op; its kernels live
+in ``flashtrain.kernels`` and its plain PyTorch reference in ``flashtrain.reference``.
+"""
+
+from .attention import flash_attention
+
+__all__ = ["flash_attention"]
+__version__ = "0.1.0"

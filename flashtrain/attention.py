@@ -1,0 +1,144 @@
+"""``flash_attention``: the public op, its input checks, and its ``torch.library`` registration.
+
+The kernels are wrapped in two custom ops, ``flashtrain::attention_fwd`` and ``flashtrain::attention_bwd``,
+each with a fake (meta) implementation, and joined by ``register_autograd``. ``torch.compile`` therefore
+sees one opaque node per direction: ``fullgraph=True`` traces through ``flash_attention`` with no graph
+break, and the compiled graph launches the same kernels as eager mode.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+from flashtrain.kernels import INTERPRET, attention_bwd, attention_fwd, lse_dtype
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+MAX_GRID_DIM = 65535  # CUDA's limit on grid dims y and z, where heads and batch go
+
+
+@torch.library.custom_op("flashtrain::attention_fwd", mutates_args=())
+def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    return attention_fwd(q, k, v, causal, scale)
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, causal, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("flashtrain::attention_bwd", mutates_args=())
+def _attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      dlse: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_bwd(dout, q, k, v, out, lse, dlse, causal, scale)
+
+
+@_attention_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd("flashtrain::attention_fwd", _backward, setup_context=_setup_context)
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
+                    return_lse: bool = False):
+    """Exact softmax attention, computed in tiles by Triton kernels (no seq_q x seq_k matrix in memory).
+
+    Args:
+        q: (batch, heads_q, seq_q, head_dim). Any strides: a ``(B, N, H, D).transpose(1, 2)`` view works
+            without a copy.
+        k, v: (batch, heads_kv, seq_k, head_dim); heads_q must be a multiple of heads_kv (GQA / MQA; the
+            kernels index the shared KV head, they never repeat K/V in memory).
+        causal: mask aligned bottom-right, as flash-attn: query i sees keys j <= i + seq_k - seq_q. A query
+            that sees no key gets an output of zeros and an LSE of -inf.
+        scale: softmax scale; defaults to 1/sqrt(head_dim).
+        return_lse: also return the natural-log logsumexp of each row's scaled scores.
+
+    dtypes: float16, bfloat16, float32 (full fp32 products unless ``torch.backends.cuda.matmul.allow_tf32``)
+    and float64; q, k and v share one and the output has it. head_dim 1..256, any sequence lengths.
+    Differentiable in q, k and v (and through the LSE, if returned).
+
+    CUDA tensors run compiled kernels. CPU tensors run the same kernels through Triton's interpreter
+    (slow: for tests and tiny runs), which needs ``TRITON_INTERPRET=1`` in the environment before triton
+    is first imported; without it a CPU call raises a RuntimeError that says so.
+
+    Returns:
+        out (batch, heads_q, seq_q, head_dim), or (out, lse) with lse float32 (batch, heads_q, seq_q).
+    """
+    scale = _check_inputs(q, k, v, causal, scale, return_lse)
+    out, lse = _attention_fwd_op(q, k, v, causal, scale)
+    if return_lse:
+        return out, lse.float()
+    return out
+
+
+def _check_inputs(q, k, v, causal, scale, return_lse) -> float:
+    """Validate the arguments of ``flash_attention`` before any kernel runs; return the softmax scale."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"flash_attention: {name} has dtype {t.dtype}; expected one of "
+                            "torch.float16, torch.bfloat16, torch.float32, torch.float64")
+        if t.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be 4-D (batch, heads, seq, head_dim); "
+                             f"got {t.dim()}-D with shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"flash_attention: q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, "
+                        f"v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k and v must be on one device; got q on {q.device}, "
+                         f"k on {k.device}, v on {v.device}")
+    batch, heads_q, _, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"flash_attention: batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}; expected the same dim 0")
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        raise ValueError(f"flash_attention: head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}; expected the same last dim")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same "
+                         "(heads_kv, seq_k)")
+    heads_kv = k.shape[1]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"flash_attention: heads_q={heads_q} (q.shape[1]) must be a multiple of "
+                         f"heads_kv={heads_kv} (k.shape[1])")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention: head_dim={head_dim} (q.shape[3]); expected 1..{MAX_HEAD_DIM}")
+    if batch > MAX_GRID_DIM or heads_q > MAX_GRID_DIM:
+        raise ValueError(f"flash_attention: batch={batch} and heads_q={heads_q} must each be at most "
+                         f"{MAX_GRID_DIM}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"flash_attention: causal must be a bool, got {causal!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"flash_attention: return_lse must be a bool, got {return_lse!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"flash_attention: scale must be a finite real number or None, got {scale!r}")
+    if q.device.type == "cpu" and not INTERPRET:
+        raise RuntimeError("flash_attention: q, k, v are CPU tensors, which run only through Triton's "
+                           "interpreter; set TRITON_INTERPRET=1 in the environment before triton is "
+                           "imported (before importing flashtrain), or move the tensors to a CUDA device")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"flash_attention: tensors on {q.device} are not supported; expected cuda "
+                         "(or cpu through Triton's interpreter)")
+    return float(scale)

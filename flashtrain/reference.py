@@ -1,0 +1,41 @@
+"""Plain PyTorch references for the kernels: the ground truth the tests compare against.
+
+These materialise the full (seq_q, seq_k) score matrix: use them only on small inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def causal_mask(seq_q: int, seq_k: int, device=None) -> torch.Tensor:
+    """Bool (seq_q, seq_k), True where query i may see key j: j <= i + seq_k - seq_q (bottom-right)."""
+    i = torch.arange(seq_q, device=device)[:, None]
+    j = torch.arange(seq_k, device=device)[None, :]
+    return j <= i + (seq_k - seq_q)
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                  scale: float | None = None, upcast: bool = True):
+    """Reference attention with the semantics of ``flashtrain.flash_attention``. Returns (out, lse).
+
+    q: (B, H_q, N_q, D); k, v: (B, H_kv, N_k, D) with H_q a multiple of H_kv (GQA by repetition here).
+    With ``upcast`` the math runs in float64 and the output is cast back to q's dtype; lse is returned
+    in float64 (natural log, -inf for rows that see no key; their output rows are 0).
+    """
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, N_q, N_k)
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, N_q); -inf where a row sees no key
+    probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])  # rows with no key: exp(-inf) = 0
+    out = torch.matmul(probs, v)
+    return out.to(dtype), lse

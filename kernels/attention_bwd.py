@@ -1,0 +1,291 @@
+"""FlashAttention backward: scores recomputed from the saved LSE, no (seq_q, seq_k) storage.
+
+With S = scale * Q K^T, P = exp(S - lse), O = P V and upstream gradients dO (and dlse, if the caller
+used the LSE):
+    dV = P^T dO
+    dP = dO V^T
+    dS = P * (dP - delta),   delta = rowsum(dO * O) - dlse      (preprocess kernel)
+    dQ = scale * dS K,       dK = scale * dS^T Q
+
+Two main kernels, no atomics, so results are bitwise deterministic:
+  * ``attention_bwd_dkdv_kernel``: one program per (key block, KV head); it loops over the query heads of
+    its GQA group and over query blocks, so dK/dV of a KV head are summed over the group in registers.
+  * ``attention_bwd_dq_kernel``: one program per (query block, query head); loops over key blocks.
+Causal blocks above the diagonal are skipped; only blocks that cross it pay for the elementwise mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .attention_fwd import LOG2E, _load_rows, launch, precision_for
+
+
+@triton.jit
+def attention_bwd_preprocess_kernel(
+    O, DO, DLSE, DELTA,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    seq_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - dlse, per query row. Grid (cdiv(seq_q, BLOCK_M), H_q, B).
+
+    DLSE and DELTA: (B, H_q, seq_q) contiguous. Accumulates in fp32 (fp64 for fp64 inputs).
+    """
+    off_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc_dtype = DELTA.dtype.element_ty
+    o = _load_rows(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+                   + off_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                   off_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                    + off_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    off_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(acc_dtype) * do.to(acc_dtype), 1)
+    row = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + off_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row, mask=off_m < seq_q, other=0.0).to(acc_dtype)
+    tl.store(DELTA + row, delta, mask=off_m < seq_q)
+
+
+@triton.jit
+def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                              stride_qm, stride_dom, lo, hi, offs_m, offs_n, offs_d,
+                              seq_q, causal_offset, qk_scale,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                              MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate one query head's query blocks [lo, hi) into dK, dV of the resident key block.
+
+    Works on transposed tiles, (BLOCK_N, BLOCK_M), so K and V stay the left operands. Query rows past
+    seq_q load as zeros with lse = +inf, so their P is exactly 0 and they add nothing; MASKED adds the
+    causal mask for the blocks that cross the diagonal.
+    """
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q = _load_rows(q_base + rows[:, None] * stride_qm, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        do = _load_rows(do_base + rows[:, None] * stride_dom, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        lse2 = tl.load(lse_base + rows, mask=rows < seq_q, other=float("inf")) * 1.4426950408889634  # log2(e)
+        delta = tl.load(delta_base + rows, mask=rows < seq_q, other=0.0)
+        # P^T, recomputed: (BLOCK_N, BLOCK_M)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=dk.dtype) * qk_scale
+        p_t = tl.exp2(qk_t - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION, out_dtype=dv.dtype)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=dk.dtype)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION, out_dtype=dk.dtype)
+    return dk, dv
+
+
+@triton.jit
+def attention_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    seq_q, seq_k, sm_scale, qk_scale,
+    SEQ_BUCKET,  # autotune key only
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_N keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK_N), H_kv, B).
+
+    Q, DO: (B, H_q, seq_q, D); K, V, DK, DV: (B, H_kv, seq_k, D); LSE, DELTA: (B, H_q, seq_q) contiguous.
+    """
+    pid_n = tl.program_id(0)
+    off_hk = tl.program_id(1)
+    off_b = tl.program_id(2)
+    heads_q = tl.num_programs(1) * GROUP
+    acc_dtype = DELTA.dtype.element_ty
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k = _load_rows(K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+                   + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+                   + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+
+    causal_offset = seq_k - seq_q
+    end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # first query row that sees key start_n: i >= start_n - causal_offset
+        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
+        # first row that sees every key of the block: i >= start_n + BLOCK_N - 1 - causal_offset
+        first_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
+        mid = tl.minimum(tl.maximum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, lo), end)
+    else:
+        lo = 0
+        mid = 0
+
+    for g in range(GROUP):  # the query heads sharing this KV head: GQA sum in registers
+        off_h = off_hk * GROUP + g
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+        do_base = (DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                   + offs_d[None, :] * stride_dod)
+        row_base = (off_b.to(tl.int64) * heads_q + off_h) * seq_q
+        # stage 1: query blocks crossing the diagonal, masked
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
+                                           stride_qm, stride_dom, lo, mid, offs_m, offs_n, offs_d,
+                                           seq_q, causal_offset, qk_scale,
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION)
+        # stage 2: query blocks that see the whole key block, no mask
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
+                                           stride_qm, stride_dom, mid, end, offs_m, offs_n, offs_d,
+                                           seq_q, causal_offset, qk_scale,
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION)
+
+    out_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
+    dk_ptrs = (DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
+               + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
+    dv_ptrs = (DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
+               + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                            lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate key blocks [lo, hi) into dQ of the resident query block. MASKED: diagonal and tail."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_rows(k_base + cols[:, None] * stride_kn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_rows(v_base + cols[:, None] * stride_vn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=dq.dtype) * qk_scale
+        p = tl.exp2(qk - lse2[:, None])
+        if MASKED:
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=dq.dtype)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION, out_dtype=dq.dtype)
+    return dq
+
+
+@triton.jit
+def attention_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    seq_q, seq_k, sm_scale, qk_scale,
+    SEQ_BUCKET,  # autotune key only
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B)."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest blocks first, as in the forward
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // GROUP
+    acc_dtype = DELTA.dtype.element_ty
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q = _load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+                   + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                    + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    row = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + offs_m
+    # rows past seq_q: lse = +inf gives P = 0 (their dQ is not stored anyway)
+    lse2 = tl.load(LSE + row, mask=offs_m < seq_q, other=float("inf")) * 1.4426950408889634  # log2(e)
+    delta = tl.load(DELTA + row, mask=offs_m < seq_q, other=0.0)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
+
+    causal_offset = seq_k - seq_q
+    if CAUSAL:
+        hi = tl.minimum(seq_k, start_m + BLOCK_M + causal_offset)
+        n_full = tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N
+        mid = tl.minimum(n_full, seq_k // BLOCK_N) * BLOCK_N
+    else:
+        hi = seq_k
+        mid = (seq_k // BLOCK_N) * BLOCK_N
+    # stage 1: off-band, no mask
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                                 0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION)
+    # stage 2: diagonal blocks and the ragged tail of seq_k
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                                 mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION)
+
+    dq_ptrs = (DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+               + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
+
+
+_attention_bwd_dkdv_tuned = triton.autotune(configs=configs.DKDV_CANDIDATES, key=configs.TUNE_KEY)(
+    attention_bwd_dkdv_kernel)
+_attention_bwd_dq_tuned = triton.autotune(configs=configs.DQ_CANDIDATES, key=configs.TUNE_KEY)(
+    attention_bwd_dq_kernel)
+
+PREPROCESS_BLOCK_M = 64
+
+
+def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
+    """Launch the backward kernels. Returns (dq, dk, dv), each ``empty_like`` its input.
+
+    do, out: (B, H_q, N_q, D); lse: (B, H_q, N_q) from ``attention_fwd``; dlse: gradient of the LSE
+    output, same shape, or None. Any strides for do, q, k, v, out.
+    """
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_k = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    bd = configs.block_d(head_dim)
+    group = heads_q // heads_kv
+    pre_block = 16 if configs.INTERPRET else PREPROCESS_BLOCK_M
+    attention_bwd_preprocess_kernel[(triton.cdiv(seq_q, pre_block), heads_q, batch)](
+        out, do, dlse.contiguous() if dlse is not None else delta, delta,
+        *out.stride(), *do.stride(), seq_q,
+        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre_block, HAS_DLSE=dlse is not None)
+
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, PRECISION=precision_for(q.dtype))
+    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    launch(_attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel, "dkdv",
+           lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
+           (q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
+            seq_q, seq_k, scale, scale * LOG2E, configs.seq_bucket(seq_q)), q.dtype, **meta)
+    launch(_attention_bwd_dq_tuned, attention_bwd_dq_kernel, "dq",
+           lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
+           (q, k, v, do, lse, delta, dq, *common, *dq.stride(),
+            seq_q, seq_k, scale, scale * LOG2E, configs.seq_bucket(seq_k)), q.dtype, **meta)
+    return dq, dk, dv

@@ -1,0 +1,197 @@
+"""FlashAttention forward: tiled online softmax, never materialising the (seq_q, seq_k) score matrix.
+
+Loop order is FlashAttention-2's: one program owns a block of BLOCK_M query rows of one (batch, head)
+and streams the K/V blocks of that head's KV group past it, keeping a running row max ``m_i``, a running
+row sum ``l_i`` and an unnormalised output ``acc`` in fp32 (fp64 for fp64 inputs). Scores are kept in
+the log2 domain (log2(e) folded into the softmax scale) so each exponential is one ``exp2``.
+
+Causal masks are aligned bottom-right like flash-attn: query i sees key j iff j <= i + (seq_k - seq_q).
+Per query block the key range splits into
+  stage 1 (off-band): keys every row of the block sees: no mask at all;
+  stage 2 (on-band):  blocks crossing the diagonal and the ragged tail of seq_k: elementwise mask;
+and key blocks entirely above the diagonal are never visited.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+
+LOG2E = 1.4426950408889634  # 1/ln(2): e^x = 2^(x * log2(e))
+LN2 = 0.6931471805599453  # ln(2): converts the log2-domain LSE back to natural log
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK_ROWS: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile; zero-fill rows >= n_rows (if MASK_ROWS) and columns >= HEAD_DIM."""
+    if MASK_ROWS:
+        if HEAD_DIM == BLOCK_D:
+            return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+
+
+@triton.jit
+def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                         lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold the key blocks [lo, hi) into the running (acc, l_i, m_i). MASKED selects stage 2."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_rows(k_base + cols[:, None] * stride_kn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        # scores, log2 domain: (BLOCK_M, BLOCK_N)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=acc.dtype) * qk_scale
+        if MASKED:
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
+            # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.exp2(qk - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_base + cols[:, None] * stride_vn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION,
+                     out_dtype=acc.dtype)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    seq_q, seq_k, qk_scale,
+    SEQ_BUCKET,  # autotune key only
+    GROUP: tl.constexpr,  # query heads per KV head (GQA); 1 for plain multi-head attention
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B).
+
+    Q, O: (B, H_q, seq_q, HEAD_DIM); K, V: (B, H_q // GROUP, seq_k, HEAD_DIM); any strides.
+    LSE: (B, H_q, seq_q) contiguous, natural-log logsumexp of the scaled scores (-inf: row sees no key).
+    qk_scale = softmax scale * log2(e).
+    """
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        # the last query blocks see the most keys: launch them first so the tail of the grid is short
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // GROUP
+    acc_dtype = tl.float64 if Q.dtype.element_ty == tl.float64 else tl.float32
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    # int64 base offsets: B * H * seq * D overflows int32 at long context
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
+
+    q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
+    l_i = tl.zeros([BLOCK_M], dtype=acc_dtype)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
+
+    causal_offset = seq_k - seq_q
+    if CAUSAL:
+        # keys seen by the block's last row: j < start_m + BLOCK_M + causal_offset
+        hi = tl.minimum(seq_k, start_m + BLOCK_M + causal_offset)
+        # keys seen by its first row (so by every row): j <= start_m + causal_offset
+        n_full = tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N
+        mid = tl.minimum(n_full, seq_k // BLOCK_N) * BLOCK_N
+    else:
+        hi = seq_k
+        mid = (seq_k // BLOCK_N) * BLOCK_N
+
+    # stage 1: off-band, no mask
+    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                         0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION)
+    # stage 2: blocks crossing the diagonal, and the ragged tail of seq_k
+    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                         mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION)
+
+    # epilogue: one division by the row sum; rows that saw no key have acc = 0, l = 0 -> output 0
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2)
+    row_ok = offs_m < seq_q
+    o_ptrs = (O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+              + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    lse_ptrs = LSE + (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + offs_m
+    tl.store(lse_ptrs, lse.to(LSE.dtype.element_ty), mask=row_ok)
+
+
+_attention_fwd_tuned = triton.autotune(configs=configs.FWD_CANDIDATES, key=configs.TUNE_KEY)(
+    attention_fwd_kernel)
+
+
+def precision_for(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: fp32 follows torch's TF32 switch, everything else is exact IEEE."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not configs.INTERPRET:
+        return "tf32"
+    return "ieee"
+
+
+def launch(tuned, fixed_kernel, name, grid_fn, args, dtype, **meta):
+    """Launch ``fixed_kernel`` with the fixed config (interpreter, fp64) or ``tuned`` (autotuned)."""
+    if configs.INTERPRET or dtype == torch.float64:
+        cfg = configs.fixed_config(name, dtype == torch.float64)
+        fixed_kernel[grid_fn(cfg)](*args, **meta, **cfg)
+    else:
+        tuned[grid_fn](*args, **meta)
+
+
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """Launch the forward kernel. Returns (out, lse).
+
+    q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), any strides, validated by the caller.
+    out: like q (same dtype, ``empty_like`` layout); lse: (B, H_q, N_q), float32 (float64 for fp64 inputs).
+    """
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_k = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, heads_q, seq_q), device=q.device, dtype=lse_dtype(q.dtype))
+    if out.numel() == 0:
+        return out, lse
+    if seq_k == 0:  # nothing to attend to: zeros, LSE -inf (the kernel's answer too, without a launch)
+        return out.zero_(), lse.fill_(float("-inf"))
+
+    def grid(meta):
+        return (triton.cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
+
+    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            seq_q, seq_k, scale * LOG2E, configs.seq_bucket(seq_k))
+    launch(_attention_fwd_tuned, attention_fwd_kernel, "fwd", grid, args, q.dtype,
+           GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
+           CAUSAL=causal, PRECISION=precision_for(q.dtype))
+    return out, lse
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the saved LSE: float32, or float64 when the inputs are float64 (keeps fp64 exact)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,83 @@
+"""Launch configurations (block shapes, warps, pipeline stages) for the attention kernels.
+
+Three regimes:
+
+* Triton's interpreter (CPU): small fixed tiles. ``BLOCK_M != BLOCK_N`` on purpose, so the CPU tests
+  cross several blocks on both axes and exercise the causal stage split with unequal tiles, as the GPU does.
+* float64 on the GPU: one small fixed tile (fp64 tiles are 4x the bytes of bf16 ones; fp64 exists for
+  gradcheck and exactness checks, not speed).
+* float16 / bfloat16 / float32 on the GPU: a short list of candidates per kernel, picked by
+  ``triton.autotune`` once per (head_dim, causal, dtypes, sequence-length bucket).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+# Read once, when the kernels are defined: ``triton.jit`` makes interpreted kernels only if
+# TRITON_INTERPRET=1 was set before triton was imported, so a later change would not take effect.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def block_d(head_dim: int) -> int:
+    """Head dim padded to a power of two, at least 16 (the smallest ``tl.dot`` operand)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def seq_bucket(seq_len: int) -> int:
+    """Autotune key for a sequence length: its power-of-two bucket, capped so long sequences share one."""
+    return min(triton.next_power_of_2(max(seq_len, 1)), 16384)
+
+
+# Fixed configs: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+INTERPRET_FWD = (32, 16, 4, 1)
+INTERPRET_DKDV = (16, 32, 4, 1)
+INTERPRET_DQ = (32, 16, 4, 1)
+FP64_FWD = (32, 32, 4, 1)
+FP64_DKDV = (32, 32, 4, 1)
+FP64_DQ = (32, 32, 4, 1)
+
+
+def fixed_config(kernel: str, dtype_is_fp64: bool) -> dict:
+    """The fixed launch parameters for ``kernel`` ('fwd', 'dkdv', 'dq') in the interpreter or fp64."""
+    if INTERPRET:
+        table = {"fwd": INTERPRET_FWD, "dkdv": INTERPRET_DKDV, "dq": INTERPRET_DQ}
+    else:
+        assert dtype_is_fp64
+        table = {"fwd": FP64_FWD, "dkdv": FP64_DKDV, "dq": FP64_DQ}
+    block_m, block_n, warps, stages = table[kernel]
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+
+def _configs(candidates):
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for (m, n, w, s) in candidates
+    ]
+
+
+# Candidates (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward: query tile x key tile.
+FWD_CANDIDATES = _configs([
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (64, 64, 4, 2),
+])
+# dK/dV: key tile (BLOCK_N) outer and large, query tile streamed.
+DKDV_CANDIDATES = _configs([
+    (32, 128, 4, 3),
+    (32, 128, 8, 3),
+    (64, 128, 8, 2),
+    (32, 64, 4, 2),
+])
+# dQ: query tile outer and large, key tile streamed.
+DQ_CANDIDATES = _configs([
+    (128, 32, 4, 3),
+    (128, 32, 8, 3),
+    (128, 64, 8, 2),
+    (64, 32, 4, 2),
+])
+
+TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "PRECISION"]

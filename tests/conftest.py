@@ -1,0 +1,41 @@
+"""Test setup: the kernels run compiled on a CUDA machine and through Triton's interpreter elsewhere.
+
+TRITON_INTERPRET must be set before triton is first imported, so this runs before any test module
+imports flashtrain. `device` is the device the kernel tests run on: cuda when there is one, else cpu.
+"""
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def poison_allocations(monkeypatch):
+    """Make torch.empty / torch.empty_like return NaN-filled tensors, so any element a kernel fails to
+    write shows up as NaN in its output."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))

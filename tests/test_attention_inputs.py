@@ -1,0 +1,38 @@
+"""Bad input raises a clear error, naming the argument, its value and what was expected, before launch."""
+
+import pytest
+import torch
+
+from flashtrain import flash_attention
+
+
+def qkv(q_shape=(1, 4, 8, 16), kv_shape=(1, 2, 8, 16), dtype=torch.float32):
+    return (torch.randn(q_shape).to(dtype), torch.randn(kv_shape).to(dtype), torch.randn(kv_shape).to(dtype))
+
+
+@pytest.mark.parametrize("args, kwargs, error, words", [
+    (qkv((4, 8, 16), (1, 2, 8, 16)), {}, ValueError, ["q must be 4-D", "(4, 8, 16)"]),
+    (qkv((1, 4, 8, 16), (1, 2, 8, 24)), {}, ValueError, ["head dims differ", "(1, 2, 8, 24)"]),
+    (qkv((2, 4, 8, 16), (1, 2, 8, 16)), {}, ValueError, ["batch sizes differ", "(2, 4, 8, 16)"]),
+    (qkv((1, 4, 8, 16), (1, 3, 8, 16)), {}, ValueError, ["heads_q=4", "heads_kv=3", "multiple"]),
+    (qkv((1, 4, 8, 300), (1, 2, 8, 300)), {}, ValueError, ["head_dim=300", "1..256"]),
+    (qkv(dtype=torch.int32), {}, TypeError, ["q has dtype torch.int32", "float16"]),
+    ((torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16, dtype=torch.float64), torch.randn(1, 2, 8, 16)), {},
+     TypeError, ["share one dtype", "k torch.float64"]),
+    ((torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16)), {},
+     ValueError, ["(heads_kv, seq_k)", "(1, 2, 9, 16)"]),
+    (qkv(), {"scale": float("nan")}, ValueError, ["scale", "nan"]),
+    (qkv(), {"causal": "yes"}, TypeError, ["causal", "'yes'"]),
+    (([1.0], *qkv()[1:]), {}, TypeError, ["q must be a torch.Tensor", "list"]),
+])
+def test_bad_input(args, kwargs, error, words):
+    with pytest.raises(error) as info:
+        flash_attention(*args, **kwargs)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"
+
+
+def test_mixed_devices():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="one device"):
+        flash_attention(q, k.to("meta"), v)
