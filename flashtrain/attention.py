@@ -1,7 +1,8 @@
 """``flash_attention``: the public op, its input checks, and its ``torch.library`` registration.
 
 The kernels are wrapped in two custom ops, ``flashtrain::attention_fwd`` and ``flashtrain::attention_bwd``,
-each with a fake (meta) implementation, and joined by ``register_autograd``. ``torch.compile`` therefore
+each with a fake (meta) implementation, and joined by ``register_autograd``. Inside the ops the LSE lives
+in the log2 domain, as the kernels use it; ``flash_attention`` converts it to natural log for the caller. ``torch.compile`` therefore
 sees one opaque node per direction: ``fullgraph=True`` traces through ``flash_attention`` with no graph
 break, and the compiled graph launches the same kernels as eager mode.
 """
@@ -15,6 +16,9 @@ import torch
 from torch import Tensor
 
 from flashtrain.kernels import INTERPRET, attention_bwd, attention_fwd, lse_dtype
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -49,9 +53,11 @@ def _setup_context(ctx, inputs, output):
     ctx.causal, ctx.scale = causal, scale
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale)
+def _backward(ctx, dout, dlse2):
+    q, k, v, out, lse2 = ctx.saved_tensors
+    # gradient of the log2-domain LSE -> gradient of the natural-log LSE, which the kernels take
+    dlse = None if dlse2 is None else dlse2 * LOG2E
+    dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None
 
 
@@ -84,9 +90,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         out (batch, heads_q, seq_q, head_dim), or (out, lse) with lse float32 (batch, heads_q, seq_q).
     """
     scale = _check_inputs(q, k, v, causal, scale, return_lse)
-    out, lse = _attention_fwd_op(q, k, v, causal, scale)
+    out, lse2 = _attention_fwd_op(q, k, v, causal, scale)
     if return_lse:
-        return out, lse.float()
+        return out, (lse2 * LN2).float()  # natural log; the multiply runs in lse2's precision
     return out
 
 

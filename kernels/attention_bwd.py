@@ -1,7 +1,7 @@
 """FlashAttention backward: scores recomputed from the saved LSE, no (seq_q, seq_k) storage.
 
-With S = scale * Q K^T, P = exp(S - lse), O = P V and upstream gradients dO (and dlse, if the caller
-used the LSE):
+With S = scale * Q K^T, P = exp(S - lse), O = P V and upstream gradients dO (and dlse, the gradient
+of the natural-log LSE, if the caller used it):
     dV = P^T dO
     dP = dO V^T
     dS = P * (dP - delta),   delta = rowsum(dO * O) - dlse      (preprocess kernel)
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import LOG2E, _load_rows, launch, precision_for
+from .attention_fwd import LOG2E, _load_rows, _scale, precision_for, split_scale
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def attention_bwd_preprocess_kernel(
 @triton.jit
 def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                               stride_qm, stride_dom, lo, hi, offs_m, offs_n, offs_d,
-                              seq_q, causal_offset, qk_scale,
+                              seq_q, causal_offset, qk_scale, qk_scale_lo,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate one query head's query blocks [lo, hi) into dK, dV of the resident key block.
@@ -71,10 +71,10 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
         rows = start_m + offs_m
         q = _load_rows(q_base + rows[:, None] * stride_qm, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
         do = _load_rows(do_base + rows[:, None] * stride_dom, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
-        lse2 = tl.load(lse_base + rows, mask=rows < seq_q, other=float("inf")) * 1.4426950408889634  # log2(e)
+        lse2 = tl.load(lse_base + rows, mask=rows < seq_q, other=float("inf"))
         delta = tl.load(delta_base + rows, mask=rows < seq_q, other=0.0)
         # P^T, recomputed: (BLOCK_N, BLOCK_M)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=dk.dtype) * qk_scale
+        qk_t = _scale(tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=dk.dtype), qk_scale, qk_scale_lo)
         p_t = tl.exp2(qk_t - lse2[None, :])
         if MASKED:
             p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
@@ -94,7 +94,7 @@ def attention_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    seq_q, seq_k, sm_scale, qk_scale,
+    seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
     SEQ_BUCKET,  # autotune key only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
@@ -102,7 +102,8 @@ def attention_bwd_dkdv_kernel(
 ):
     """One program: BLOCK_N keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK_N), H_kv, B).
 
-    Q, DO: (B, H_q, seq_q, D); K, V, DK, DV: (B, H_kv, seq_k, D); LSE, DELTA: (B, H_q, seq_q) contiguous.
+    Q, DO: (B, H_q, seq_q, D); K, V, DK, DV: (B, H_kv, seq_k, D); LSE (log2 domain), DELTA: (B, H_q, seq_q)
+    contiguous. Scales come as ``split_scale`` pairs.
     """
     pid_n = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -144,18 +145,18 @@ def attention_bwd_dkdv_kernel(
         # stage 1: query blocks crossing the diagonal, masked
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
                                            stride_qm, stride_dom, lo, mid, offs_m, offs_n, offs_d,
-                                           seq_q, causal_offset, qk_scale,
+                                           seq_q, causal_offset, qk_scale, qk_scale_lo,
                                            HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION)
         # stage 2: query blocks that see the whole key block, no mask
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
                                            stride_qm, stride_dom, mid, end, offs_m, offs_n, offs_d,
-                                           seq_q, causal_offset, qk_scale,
+                                           seq_q, causal_offset, qk_scale, qk_scale_lo,
                                            HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION)
 
     out_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = (DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
                + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
-    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(dk_ptrs, _scale(dk, sm_scale, sm_scale_lo).to(DK.dtype.element_ty), mask=out_mask)
     dv_ptrs = (DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
                + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
@@ -163,7 +164,7 @@ def attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                            lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                            lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                             MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate key blocks [lo, hi) into dQ of the resident query block. MASKED: diagonal and tail."""
@@ -172,7 +173,7 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, s
         cols = start_n + offs_n
         k = _load_rows(k_base + cols[:, None] * stride_kn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         v = _load_rows(v_base + cols[:, None] * stride_vn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=dq.dtype) * qk_scale
+        qk = _scale(tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=dq.dtype), qk_scale, qk_scale_lo)
         p = tl.exp2(qk - lse2[:, None])
         if MASKED:
             visible = cols[None, :] < seq_k
@@ -193,7 +194,7 @@ def attention_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    seq_q, seq_k, sm_scale, qk_scale,
+    seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
     SEQ_BUCKET,  # autotune key only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
@@ -220,7 +221,7 @@ def attention_bwd_dq_kernel(
                     offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
     row = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + offs_m
     # rows past seq_q: lse = +inf gives P = 0 (their dQ is not stored anyway)
-    lse2 = tl.load(LSE + row, mask=offs_m < seq_q, other=float("inf")) * 1.4426950408889634  # log2(e)
+    lse2 = tl.load(LSE + row, mask=offs_m < seq_q, other=float("inf"))
     delta = tl.load(DELTA + row, mask=offs_m < seq_q, other=0.0)
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
@@ -236,23 +237,21 @@ def attention_bwd_dq_kernel(
         mid = (seq_k // BLOCK_N) * BLOCK_N
     # stage 1: off-band, no mask
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                                 0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                                 0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
                                  HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION)
     # stage 2: diagonal blocks and the ragged tail of seq_k
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                                 mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                                 mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION)
 
     dq_ptrs = (DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
                + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty),
+    tl.store(dq_ptrs, _scale(dq, sm_scale, sm_scale_lo).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
 
 
-_attention_bwd_dkdv_tuned = triton.autotune(configs=configs.DKDV_CANDIDATES, key=configs.TUNE_KEY)(
-    attention_bwd_dkdv_kernel)
-_attention_bwd_dq_tuned = triton.autotune(configs=configs.DQ_CANDIDATES, key=configs.TUNE_KEY)(
-    attention_bwd_dq_kernel)
+_attention_bwd_dkdv_tuned = configs.autotuned(attention_bwd_dkdv_kernel, configs.DKDV_CANDIDATES)
+_attention_bwd_dq_tuned = configs.autotuned(attention_bwd_dq_kernel, configs.DQ_CANDIDATES)
 
 PREPROCESS_BLOCK_M = 64
 
@@ -260,8 +259,8 @@ PREPROCESS_BLOCK_M = 64
 def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
     """Launch the backward kernels. Returns (dq, dk, dv), each ``empty_like`` its input.
 
-    do, out: (B, H_q, N_q, D); lse: (B, H_q, N_q) from ``attention_fwd``; dlse: gradient of the LSE
-    output, same shape, or None. Any strides for do, q, k, v, out.
+    do, out: (B, H_q, N_q, D); lse: (B, H_q, N_q), the log2-domain LSE from ``attention_fwd``; dlse: the
+    gradient of the natural-log LSE, same shape, or None. Any strides for do, q, k, v, out.
     """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
@@ -280,12 +279,13 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
 
     meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, PRECISION=precision_for(q.dtype))
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    launch(_attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel, "dkdv",
+    scales = (*split_scale(scale), *split_scale(scale * LOG2E))
+    configs.launch("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
            lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
            (q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
-            seq_q, seq_k, scale, scale * LOG2E, configs.seq_bucket(seq_q)), q.dtype, **meta)
-    launch(_attention_bwd_dq_tuned, attention_bwd_dq_kernel, "dq",
+            seq_q, seq_k, *scales, configs.seq_bucket(seq_q)), q.dtype, **meta)
+    configs.launch("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
            lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
            (q, k, v, do, lse, delta, dq, *common, *dq.stride(),
-            seq_q, seq_k, scale, scale * LOG2E, configs.seq_bucket(seq_k)), q.dtype, **meta)
+            seq_q, seq_k, *scales, configs.seq_bucket(seq_k)), q.dtype, **meta)
     return dq, dk, dv

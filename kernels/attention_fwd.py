@@ -14,6 +14,7 @@ and key blocks entirely above the diagonal are never visited.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +22,13 @@ import triton.language as tl
 from . import configs
 
 LOG2E = 1.4426950408889634  # 1/ln(2): e^x = 2^(x * log2(e))
-LN2 = 0.6931471805599453  # ln(2): converts the log2-domain LSE back to natural log
+
+
+def split_scale(scale: float) -> tuple[float, float]:
+    """(hi, lo) float32 pair with hi + lo = scale to ~2^-48: Triton passes every Python float to a kernel
+    as float32, so fp64 kernels rebuild an fp64 scale from the pair (see ``_scale``)."""
+    hi = float(np.float32(scale))
+    return hi, float(np.float32(scale - hi))
 
 
 @triton.jit
@@ -38,8 +45,16 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
+def _scale(x, scale, scale_lo):
+    """x * scale, where (scale, scale_lo) is ``split_scale``'s pair: fp64 uses both halves."""
+    if x.dtype == tl.float64:
+        return x * scale + x * scale_lo
+    return x * scale
+
+
+@triton.jit
 def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                         lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                         lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     """Fold the key blocks [lo, hi) into the running (acc, l_i, m_i). MASKED selects stage 2."""
@@ -48,7 +63,7 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         cols = start_n + offs_n
         k = _load_rows(k_base + cols[:, None] * stride_kn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         # scores, log2 domain: (BLOCK_M, BLOCK_N)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=acc.dtype) * qk_scale
+        qk = _scale(tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=acc.dtype), qk_scale, qk_scale_lo)
         if MASKED:
             visible = cols[None, :] < seq_k
             if CAUSAL:
@@ -77,7 +92,7 @@ def attention_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    seq_q, seq_k, qk_scale,
+    seq_q, seq_k, qk_scale, qk_scale_lo,
     SEQ_BUCKET,  # autotune key only
     GROUP: tl.constexpr,  # query heads per KV head (GQA); 1 for plain multi-head attention
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -87,8 +102,8 @@ def attention_fwd_kernel(
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B).
 
     Q, O: (B, H_q, seq_q, HEAD_DIM); K, V: (B, H_q // GROUP, seq_k, HEAD_DIM); any strides.
-    LSE: (B, H_q, seq_q) contiguous, natural-log logsumexp of the scaled scores (-inf: row sees no key).
-    qk_scale = softmax scale * log2(e).
+    LSE: (B, H_q, seq_q) contiguous, log2-domain logsumexp of the scaled scores (-inf: row sees no key).
+    (qk_scale, qk_scale_lo) = split_scale(softmax scale * log2(e)).
     """
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -127,17 +142,20 @@ def attention_fwd_kernel(
 
     # stage 1: off-band, no mask
     acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                         0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                                         0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset,
+                                         qk_scale, qk_scale_lo,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION)
     # stage 2: blocks crossing the diagonal, and the ragged tail of seq_k
     acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                         mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale,
+                                         mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset,
+                                         qk_scale, qk_scale_lo,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION)
 
     # epilogue: one division by the row sum; rows that saw no key have acc = 0, l = 0 -> output 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2)
+    # kept in the log2 domain: the backward needs it there, and a float literal (ln 2) would be fp32
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
     row_ok = offs_m < seq_q
     o_ptrs = (O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
               + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od)
@@ -146,8 +164,7 @@ def attention_fwd_kernel(
     tl.store(lse_ptrs, lse.to(LSE.dtype.element_ty), mask=row_ok)
 
 
-_attention_fwd_tuned = triton.autotune(configs=configs.FWD_CANDIDATES, key=configs.TUNE_KEY)(
-    attention_fwd_kernel)
+_attention_fwd_tuned = configs.autotuned(attention_fwd_kernel, configs.FWD_CANDIDATES)
 
 
 def precision_for(dtype: torch.dtype) -> str:
@@ -157,20 +174,12 @@ def precision_for(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def launch(tuned, fixed_kernel, name, grid_fn, args, dtype, **meta):
-    """Launch ``fixed_kernel`` with the fixed config (interpreter, fp64) or ``tuned`` (autotuned)."""
-    if configs.INTERPRET or dtype == torch.float64:
-        cfg = configs.fixed_config(name, dtype == torch.float64)
-        fixed_kernel[grid_fn(cfg)](*args, **meta, **cfg)
-    else:
-        tuned[grid_fn](*args, **meta)
-
-
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     """Launch the forward kernel. Returns (out, lse).
 
     q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), any strides, validated by the caller.
-    out: like q (same dtype, ``empty_like`` layout); lse: (B, H_q, N_q), float32 (float64 for fp64 inputs).
+    out: like q (same dtype, ``empty_like`` layout); lse: (B, H_q, N_q), the log2-domain LSE
+    (log2 of the row sum of exp(scores)), float32 (float64 for fp64 inputs).
     """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
@@ -185,8 +194,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
 
     args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            seq_q, seq_k, scale * LOG2E, configs.seq_bucket(seq_k))
-    launch(_attention_fwd_tuned, attention_fwd_kernel, "fwd", grid, args, q.dtype,
+            seq_q, seq_k, *split_scale(scale * LOG2E), configs.seq_bucket(seq_k))
+    configs.launch("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, q.dtype,
            GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
            CAUSAL=causal, PRECISION=precision_for(q.dtype))
     return out, lse

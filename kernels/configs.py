@@ -12,8 +12,10 @@ Three regimes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 
+import torch
 import triton
 
 # Read once, when the kernels are defined: ``triton.jit`` makes interpreted kernels only if
@@ -80,4 +82,39 @@ DQ_CANDIDATES = _configs([
     (64, 32, 4, 2),
 ])
 
-TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "PRECISION"]
+TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "PRECISION"]  # the autotuner adds the tensors' dtypes
+
+
+def autotuned(kernel, candidates):
+    """``kernel`` wrapped in triton.autotune; tuning results are cached on disk, so they survive restarts."""
+    return triton.autotune(configs=candidates, key=TUNE_KEY, cache_results=True)(kernel)
+
+
+_forced: dict[str, dict] = {}
+
+
+@contextlib.contextmanager
+def forced_configs(**per_kernel: triton.Config):
+    """Within the block, launch e.g. ``fwd=cfg`` with that config instead of autotuning (tests use it to
+    check every candidate the tuner may pick)."""
+    saved = dict(_forced)
+    for name, cfg in per_kernel.items():
+        _forced[name] = dict(**cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+
+
+def launch(name: str, tuned, kernel, grid_fn, args, dtype: torch.dtype, **meta):
+    """Launch ``kernel`` ('fwd', 'dkdv' or 'dq') with a fixed config (interpreter, fp64, forced) or
+    through ``tuned``, its autotuned wrapper. ``grid_fn`` maps the config's meta-parameters to a grid."""
+    if name in _forced:
+        cfg = _forced[name]
+    elif INTERPRET or dtype == torch.float64:
+        cfg = fixed_config(name, dtype == torch.float64)
+    else:
+        tuned[grid_fn](*args, **meta)
+        return
+    kernel[grid_fn(cfg)](*args, **meta, **cfg)

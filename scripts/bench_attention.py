@@ -1,0 +1,210 @@
+"""Attention benchmark: flashtrain against PyTorch's own attention, side by side in one run.
+
+Speed: TFLOP/s of forward and backward, bf16, on the grid batch*seq = 16k tokens, heads*head_dim = 2048,
+head_dim 64 and 128, seq 1k..16k, causal and not; plus head_dim 256, seq 32k and GQA (4 query heads per
+KV head). Providers: flashtrain, SDPA's flash / cuDNN / efficient backends, FlexAttention (compiled).
+FLOPs: forward 4*B*H*N*N*D (half when causal), backward 2.5x forward. Medians of triton.testing.do_bench.
+
+Memory: peak memory of forward+backward beyond the inputs, B=1, H=16, D=128, causal, seq 4k..32k, for
+flashtrain, SDPA (default backend) and eager PyTorch attention (matmul-softmax-matmul); OOM is recorded.
+
+Writes long-format CSV rows (provider, dtype, D, N, B, H, H_kv, causal, mode, ms, tflops, peak_gib, status,
+gpu, torch, triton, date) to --out. Needs a CUDA GPU.
+
+    python scripts/bench_attention.py --out benchmarks/results/attention.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtrain import flash_attention
+
+FIELDS = ["provider", "dtype", "D", "N", "B", "H", "H_kv", "causal", "mode", "ms", "tflops", "peak_gib",
+          "status", "gpu", "torch", "triton", "date"]
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+PROVIDERS = ["flashtrain", *SDPA_BACKENDS, "flex"]
+
+
+def attention_flops(batch, heads, seq, head_dim, causal, mode):
+    flops = 4 * batch * heads * seq * seq * head_dim
+    flops = flops / 2 if causal else flops
+    return flops * 2.5 if mode == "bwd" else flops
+
+
+def eager_attention(q, k, v, causal):
+    """Plain PyTorch: the (N, N) score matrix in memory, as a model without a fused kernel computes it."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, N, N)
+    if causal:
+        n = q.shape[-2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+_flex_cache: dict = {}
+
+
+def make_provider(name, causal, seq, gqa):
+    """fn(q, k, v) -> out for one provider (q: (B, H, N, D), k/v: (B, H_kv, N, D))."""
+    if name == "flashtrain":
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if name in SDPA_BACKENDS:
+        backend = SDPA_BACKENDS[name]
+
+        def sdpa(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return sdpa
+    if name == "sdpa":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    if name == "eager":
+        return lambda q, k, v: eager_attention(q, k, v, causal)
+    if name == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        if "fn" not in _flex_cache:
+            _flex_cache["fn"] = torch.compile(flex_attention, dynamic=False)
+        block_mask = None
+        if causal:
+            block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq, seq)
+        return lambda q, k, v: _flex_cache["fn"](q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDERS + ['sdpa', 'eager']}")
+
+
+def bench_speed(provider, batch, heads, heads_kv, seq, head_dim, causal, dtype):
+    """Median ms of forward and of backward; returns {mode: ms}."""
+    q = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    fn = make_provider(provider, causal, seq, heads != heads_kv)
+    fwd = triton.testing.do_bench(lambda: fn(q, k, v), warmup=100, rep=300, return_mode="median")
+    out = fn(q, k, v)
+    dout = torch.randn_like(out)
+    bwd = triton.testing.do_bench(lambda: out.backward(dout, retain_graph=True), warmup=100, rep=300,
+                                  grad_to_none=[q, k, v], return_mode="median")
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def bench_memory(provider, seq, batch=1, heads=16, head_dim=128, causal=True, dtype=torch.bfloat16):
+    """Peak GiB allocated by forward + backward beyond the inputs (q, k, v, dout)."""
+    torch.cuda.empty_cache()
+    q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    fn = make_provider(provider, causal, seq, False)
+    fn(q, k, v).backward(dout)  # warm-up: compile/tune outside the measurement
+    q.grad = k.grad = v.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(q, k, v).backward(dout)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def speed_grid(args):
+    """(B, H, H_kv, N, D, causal) points: the main grid, then head_dim 256, seq 32k and GQA."""
+    points = []
+    for head_dim in (64, 128):
+        for seq in args.seqs:
+            for causal in (False, True):
+                heads = 2048 // head_dim
+                points.append((16384 // seq, heads, heads, seq, head_dim, causal))
+    if not args.main_grid_only:
+        for causal in (False, True):
+            points += [(16384 // seq, 8, 8, seq, 256, causal) for seq in (4096, 16384)]
+            points.append((1, 16, 16, 32768, 128, causal))
+            points.append((1, 16, 4, 16384, 128, causal))  # GQA: 4 query heads per KV head
+    return points
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/attention.csv")
+    parser.add_argument("--providers", nargs="+", default=PROVIDERS)
+    parser.add_argument("--seqs", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--flex-seqs", nargs="+", type=int, default=[4096, 16384],
+                        help="Flex recompiles for every shape (tens of seconds each): time it on these")
+    parser.add_argument("--main-grid-only", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--tuning-out", default=None, help="CSV of the autotuner's picks per key")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    torch._dynamo.config.cache_size_limit = 256  # Flex recompiles per shape
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.date.today().isoformat())
+    out = open(args.out, "w", newline="")
+    writer = csv.DictWriter(out, fieldnames=FIELDS, restval="")
+    writer.writeheader()
+    rows = []
+
+    def record(row):  # written at once: a run cut short keeps what it measured
+        rows.append(row)
+        writer.writerow(row)
+        out.flush()
+
+    start = time.time()
+    for batch, heads, heads_kv, seq, head_dim, causal in speed_grid(args):
+        for provider in args.providers:
+            if provider == "flex" and (seq not in args.flex_seqs or head_dim > 128):
+                continue
+            row = dict(provider=provider, dtype="bf16", D=head_dim, N=seq, B=batch, H=heads, H_kv=heads_kv,
+                       causal=causal, **meta)
+            try:
+                times = bench_speed(provider, batch, heads, heads_kv, seq, head_dim, causal, torch.bfloat16)
+                for mode, ms in times.items():
+                    tflops = attention_flops(batch, heads, seq, head_dim, causal, mode) / ms / 1e9
+                    record(dict(row, mode=mode, ms=f"{ms:.4f}", tflops=f"{tflops:.1f}", status="ok"))
+            except Exception as exc:  # a backend that does not support a shape is a result, not a crash
+                status = "OOM" if isinstance(exc, torch.OutOfMemoryError) else f"error: {type(exc).__name__}"
+                for mode in ("fwd", "bwd"):
+                    record(dict(row, mode=mode, status=status))
+                torch.cuda.empty_cache()
+            summary = " ".join(f"{r['mode']} {r.get('tflops') or r['status']}" for r in rows[-2:])
+            print(f"[{time.time() - start:6.0f}s] {provider:15s} D={head_dim:3d} N={seq:5d} H={heads}/{heads_kv} "
+                  f"causal={causal!s:5s} {summary}", flush=True)
+    if not args.skip_memory:
+        for seq in (4096, 8192, 16384, 32768):
+            for provider in ("flashtrain", "sdpa", "eager"):
+                row = dict(provider=provider, dtype="bf16", D=128, N=seq, B=1, H=16, H_kv=16, causal=True,
+                           mode="fwd+bwd", **meta)
+                try:
+                    peak = bench_memory(provider, seq)
+                    record(dict(row, peak_gib=f"{peak:.3f}", status="ok"))
+                except torch.OutOfMemoryError:
+                    record(dict(row, status="OOM"))
+                    torch.cuda.empty_cache()
+                print(f"[{time.time() - start:6.0f}s] memory {provider:10s} N={seq:5d} "
+                      f"{rows[-1]['peak_gib'] if rows[-1]['status'] == 'ok' else 'OOM'}", flush=True)
+    out.close()
+    print(f"wrote {len(rows)} rows to {args.out}")
+    if args.tuning_out:
+        write_tuning_choices(args.tuning_out)
+
+
+def write_tuning_choices(path):
+    """The config the autotuner picked for each key of each kernel, for benchmarks/NOTES.md."""
+    from flashtrain.kernels import attention_bwd, attention_fwd
+    tuned = {"fwd": attention_fwd._attention_fwd_tuned, "dkdv": attention_bwd._attention_bwd_dkdv_tuned,
+             "dq": attention_bwd._attention_bwd_dq_tuned}
+    with open(path, "w") as f:
+        f.write("kernel,key,BLOCK_M,BLOCK_N,num_warps,num_stages\n")
+        for name, kernel in tuned.items():
+            for key, cfg in kernel.cache.items():
+                f.write(f"{name},\"{key}\",{cfg.kwargs['BLOCK_M']},{cfg.kwargs['BLOCK_N']},"
+                        f"{cfg.num_warps},{cfg.num_stages}\n")
+
+
+if __name__ == "__main__":
+    main()

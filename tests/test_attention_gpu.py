@@ -1,0 +1,100 @@
+"""GPU-only checks: bf16, long sequences, error against SDPA's flash backend, fp64 exactness, every
+launch config the autotuner may pick. Skipped on machines without CUDA (see conftest.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtrain import flash_attention
+from flashtrain.kernels import configs
+from flashtrain.reference import attention_ref
+from flashtrain.testing import TOLERANCE, assert_close, rel_error
+
+pytestmark = pytest.mark.gpu
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def outputs_and_grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, seq, head_dim", [
+    (torch.bfloat16, 1024, 64), (torch.bfloat16, 16384, 64), (torch.bfloat16, 4096, 128),
+    (torch.bfloat16, 16384, 128), (torch.bfloat16, 2048, 256), (torch.bfloat16, 16384, 256),
+    (torch.float16, 4096, 64), (torch.float16, 16384, 128),
+], ids=str)
+def test_error_at_most_twice_sdpa_flash(dtype, seq, head_dim, causal):
+    """Error against a float64 reference, output and all gradients, <= 2x that of SDPA's flash backend."""
+    torch.manual_seed(seq + head_dim)
+    heads_q, heads_kv = 4, 2
+    q = randn(1, heads_q, seq, head_dim, dtype=dtype)
+    k, v = randn(1, heads_kv, seq, head_dim, dtype=dtype), randn(1, heads_kv, seq, head_dim, dtype=dtype)
+    dout = randn(1, heads_q, seq, head_dim, dtype=dtype)
+
+    ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
+
+    def sdpa_flash(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    theirs = outputs_and_grads(sdpa_flash, q, k, v, dout)
+    ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal, upcast=False)[0],
+                            q.double(), k.double(), v.double(), dout.double())
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, theirs, ref):
+        assert torch.isfinite(a).all(), f"{name}: NaN/inf"
+        ours_err, sdpa_err = rel_error(a, r), rel_error(b, r)
+        assert ours_err <= 2 * sdpa_err, f"{name}: error {ours_err:.3e} > 2 x SDPA flash's {sdpa_err:.3e}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 37, 129, 40), (1, 2, 1, 129, 37, 24), (1, 8, 2, 300, 300, 128),
+                                   (1, 2, 2, 1, 1, 256)], ids=str)
+def test_bf16_odd_shapes(shape, causal):
+    batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
+    q = randn(batch, heads_q, seq_q, head_dim, dtype=torch.bfloat16).requires_grad_()
+    k = randn(batch, heads_kv, seq_k, head_dim, dtype=torch.bfloat16).requires_grad_()
+    v = randn(batch, heads_kv, seq_k, head_dim, dtype=torch.bfloat16).requires_grad_()
+    dout = randn(batch, heads_q, seq_q, head_dim, dtype=torch.bfloat16)
+    ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
+    ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
+    out_tol, grad_tol = TOLERANCE[torch.bfloat16]
+    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+
+
+def test_fp64_is_exact():
+    q = randn(2, 6, 300, 72, dtype=torch.float64).requires_grad_()
+    k, v = (randn(2, 2, 257, 72, dtype=torch.float64).requires_grad_() for _ in range(2))
+    dout = randn(2, 6, 300, 72, dtype=torch.float64)
+    for causal in (False, True):
+        ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
+        ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
+        for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+            assert_close(name, a, r, 1e-12)
+    small = [t.detach()[:1, :2, :19, :16].clone().requires_grad_() for t in (q, k, v)]
+    small[1], small[2] = small[1][:, :1], small[2][:, :1]
+    assert torch.autograd.gradcheck(lambda q, k, v: flash_attention(q, k, v, causal=True), small,
+                                    fast_mode=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("index", range(len(configs.FWD_CANDIDATES)))
+def test_every_tuning_candidate_is_exact(index, causal):
+    """Whatever config the autotuner picks, the result is right: each candidate forced in turn."""
+    q = randn(2, 4, 257, 40, dtype=torch.float16).requires_grad_()
+    k, v = (randn(2, 2, 300, 40, dtype=torch.float16).requires_grad_() for _ in range(2))
+    dout = randn(2, 4, 257, 40, dtype=torch.float16)
+    with configs.forced_configs(fwd=configs.FWD_CANDIDATES[index], dkdv=configs.DKDV_CANDIDATES[index],
+                                dq=configs.DQ_CANDIDATES[index]):
+        ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
+    ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
+    out_tol, grad_tol = TOLERANCE[torch.float16]
+    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
