@@ -37,19 +37,17 @@ def seq_bucket(seq_len: int) -> int:
 INTERPRET_FWD = (32, 16, 4, 1)
 INTERPRET_DKDV = (16, 32, 4, 1)
 INTERPRET_DQ = (32, 16, 4, 1)
-FP64_FWD = (32, 32, 4, 1)
-FP64_DKDV = (32, 32, 4, 1)
-FP64_DQ = (32, 32, 4, 1)
+FP64 = (32, 32, 4, 1)
+FP64_WIDE = (16, 16, 4, 1)  # head_dim > 128: 32 x 32 fp64 tiles need ~320 KB of shared memory (H200: 227)
 
 
-def fixed_config(kernel: str, dtype_is_fp64: bool) -> dict:
+def fixed_config(kernel: str, dtype_is_fp64: bool, block_d: int) -> dict:
     """The fixed launch parameters for ``kernel`` ('fwd', 'dkdv', 'dq') in the interpreter or fp64."""
     if INTERPRET:
-        table = {"fwd": INTERPRET_FWD, "dkdv": INTERPRET_DKDV, "dq": INTERPRET_DQ}
+        block_m, block_n, warps, stages = {"fwd": INTERPRET_FWD, "dkdv": INTERPRET_DKDV, "dq": INTERPRET_DQ}[kernel]
     else:
         assert dtype_is_fp64
-        table = {"fwd": FP64_FWD, "dkdv": FP64_DKDV, "dq": FP64_DQ}
-    block_m, block_n, warps, stages = table[kernel]
+        block_m, block_n, warps, stages = FP64 if block_d <= 128 else FP64_WIDE
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
@@ -113,7 +111,7 @@ def launch(name: str, tuned, kernel, grid_fn, args, dtype: torch.dtype, **meta):
     if name in _forced:
         cfg = _forced[name]
     elif INTERPRET or dtype == torch.float64:
-        cfg = fixed_config(name, dtype == torch.float64)
+        cfg = fixed_config(name, dtype == torch.float64, meta["BLOCK_D"])
     else:
         tuned[grid_fn](*args, **meta)
         return

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import importlib
 import math
 import sys
 import time
@@ -112,20 +113,62 @@ def bench_memory(provider, seq, batch=1, heads=16, head_dim=128, causal=True, dt
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def speed_grid(args):
-    """(B, H, H_kv, N, D, causal) points: the main grid, then head_dim 256, seq 32k and GQA."""
+def main_grid(seqs):
+    """(B, H, H_kv, N, D, causal): batch*seq = 16k tokens, heads*head_dim = 2048."""
+    return [(16384 // seq, 2048 // head_dim, 2048 // head_dim, seq, head_dim, causal)
+            for head_dim in (64, 128) for seq in seqs for causal in (False, True)]
+
+
+def extra_grid():
+    """head_dim 256, seq 32k, and GQA (4 query heads per KV head)."""
     points = []
-    for head_dim in (64, 128):
-        for seq in args.seqs:
-            for causal in (False, True):
-                heads = 2048 // head_dim
-                points.append((16384 // seq, heads, heads, seq, head_dim, causal))
-    if not args.main_grid_only:
-        for causal in (False, True):
-            points += [(16384 // seq, 8, 8, seq, 256, causal) for seq in (4096, 16384)]
-            points.append((1, 16, 16, 32768, 128, causal))
-            points.append((1, 16, 4, 16384, 128, causal))  # GQA: 4 query heads per KV head
+    for causal in (False, True):
+        points += [(16384 // seq, 8, 8, seq, 256, causal) for seq in (4096, 16384)]
+        points.append((1, 16, 16, 32768, 128, causal))
+        points.append((1, 16, 4, 16384, 128, causal))
     return points
+
+
+def bench_point(point, providers, flex_seqs, meta, record, start):
+    """Time every provider on one (B, H, H_kv, N, D, causal) point; record a row per (provider, mode)."""
+    batch, heads, heads_kv, seq, head_dim, causal = point
+    for provider in providers:
+        if provider == "flex" and (seq not in flex_seqs or head_dim > 128):
+            continue
+        row = dict(provider=provider, dtype="bf16", D=head_dim, N=seq, B=batch, H=heads, H_kv=heads_kv,
+                   causal=causal, **meta)
+        results = []
+        try:
+            times = bench_speed(provider, batch, heads, heads_kv, seq, head_dim, causal, torch.bfloat16)
+            for mode, ms in times.items():
+                tflops = attention_flops(batch, heads, seq, head_dim, causal, mode) / ms / 1e9
+                results.append(dict(row, mode=mode, ms=f"{ms:.4f}", tflops=f"{tflops:.1f}", status="ok"))
+        except Exception as exc:  # a backend that does not support a shape is a result, not a crash
+            status = "OOM" if isinstance(exc, torch.OutOfMemoryError) else f"error: {type(exc).__name__}"
+            results = [dict(row, mode=mode, status=status) for mode in ("fwd", "bwd")]
+            torch.cuda.empty_cache()
+        for r in results:
+            record(r)
+        summary = " ".join(f"{r['mode']} {r.get('tflops') or r['status']}" for r in results)
+        print(f"[{time.time() - start:6.0f}s] {provider:15s} D={head_dim:3d} N={seq:5d} H={heads}/{heads_kv} "
+              f"causal={causal!s:5s} {summary}", flush=True)
+
+
+def memory(meta, record, start):
+    """Peak extra memory of forward+backward: flashtrain, SDPA (default backend), eager."""
+    for seq in (4096, 8192, 16384, 32768):
+        for provider in ("flashtrain", "sdpa", "eager"):
+            row = dict(provider=provider, dtype="bf16", D=128, N=seq, B=1, H=16, H_kv=16, causal=True,
+                       mode="fwd+bwd", **meta)
+            try:
+                peak = bench_memory(provider, seq)
+                row.update(peak_gib=f"{peak:.3f}", status="ok")
+            except torch.OutOfMemoryError:
+                row.update(status="OOM")
+                torch.cuda.empty_cache()
+            record(row)
+            print(f"[{time.time() - start:6.0f}s] memory {provider:10s} N={seq:5d} {row.get('peak_gib', 'OOM')}",
+                  flush=True)
 
 
 def main(argv=None):
@@ -155,38 +198,16 @@ def main(argv=None):
         out.flush()
 
     start = time.time()
-    for batch, heads, heads_kv, seq, head_dim, causal in speed_grid(args):
-        for provider in args.providers:
-            if provider == "flex" and (seq not in args.flex_seqs or head_dim > 128):
-                continue
-            row = dict(provider=provider, dtype="bf16", D=head_dim, N=seq, B=batch, H=heads, H_kv=heads_kv,
-                       causal=causal, **meta)
-            try:
-                times = bench_speed(provider, batch, heads, heads_kv, seq, head_dim, causal, torch.bfloat16)
-                for mode, ms in times.items():
-                    tflops = attention_flops(batch, heads, seq, head_dim, causal, mode) / ms / 1e9
-                    record(dict(row, mode=mode, ms=f"{ms:.4f}", tflops=f"{tflops:.1f}", status="ok"))
-            except Exception as exc:  # a backend that does not support a shape is a result, not a crash
-                status = "OOM" if isinstance(exc, torch.OutOfMemoryError) else f"error: {type(exc).__name__}"
-                for mode in ("fwd", "bwd"):
-                    record(dict(row, mode=mode, status=status))
-                torch.cuda.empty_cache()
-            summary = " ".join(f"{r['mode']} {r.get('tflops') or r['status']}" for r in rows[-2:])
-            print(f"[{time.time() - start:6.0f}s] {provider:15s} D={head_dim:3d} N={seq:5d} H={heads}/{heads_kv} "
-                  f"causal={causal!s:5s} {summary}", flush=True)
+
+    def speed(points):
+        for point in points:
+            bench_point(point, args.providers, args.flex_seqs, meta, record, start)
+
+    speed(main_grid(args.seqs))
     if not args.skip_memory:
-        for seq in (4096, 8192, 16384, 32768):
-            for provider in ("flashtrain", "sdpa", "eager"):
-                row = dict(provider=provider, dtype="bf16", D=128, N=seq, B=1, H=16, H_kv=16, causal=True,
-                           mode="fwd+bwd", **meta)
-                try:
-                    peak = bench_memory(provider, seq)
-                    record(dict(row, peak_gib=f"{peak:.3f}", status="ok"))
-                except torch.OutOfMemoryError:
-                    record(dict(row, status="OOM"))
-                    torch.cuda.empty_cache()
-                print(f"[{time.time() - start:6.0f}s] memory {provider:10s} N={seq:5d} "
-                      f"{rows[-1]['peak_gib'] if rows[-1]['status'] == 'ok' else 'OOM'}", flush=True)
+        memory(meta, record, start)
+    if not args.main_grid_only:
+        speed(extra_grid())
     out.close()
     print(f"wrote {len(rows)} rows to {args.out}")
     if args.tuning_out:
@@ -195,9 +216,9 @@ def main(argv=None):
 
 def write_tuning_choices(path):
     """The config the autotuner picked for each key of each kernel, for benchmarks/NOTES.md."""
-    from flashtrain.kernels import attention_bwd, attention_fwd
-    tuned = {"fwd": attention_fwd._attention_fwd_tuned, "dkdv": attention_bwd._attention_bwd_dkdv_tuned,
-             "dq": attention_bwd._attention_bwd_dq_tuned}
+    fwd = importlib.import_module("flashtrain.kernels.attention_fwd")
+    bwd = importlib.import_module("flashtrain.kernels.attention_bwd")
+    tuned = {"fwd": fwd._attention_fwd_tuned, "dkdv": bwd._attention_bwd_dkdv_tuned, "dq": bwd._attention_bwd_dq_tuned}
     with open(path, "w") as f:
         f.write("kernel,key,BLOCK_M,BLOCK_N,num_warps,num_stages\n")
         for name, kernel in tuned.items():

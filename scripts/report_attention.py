@@ -1,0 +1,144 @@
+"""Tables and a plot from a bench_attention.py CSV (runs anywhere, no GPU needed).
+
+    python scripts/report_attention.py benchmarks/results/attention_h200_2026-11-29.csv \
+        --plot benchmarks/attention_h200.png --readme README.md
+
+Prints markdown tables; with --readme, replaces the text between the README's
+``<!-- attention-benchmark:start -->`` and ``<!-- attention-benchmark:end -->`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pandas as pd
+
+SPEED_PROVIDERS = ["flashtrain", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
+MEMORY_PROVIDERS = ["flashtrain", "sdpa", "eager"]
+START, END = "<!-- attention-benchmark:start -->", "<!-- attention-benchmark:end -->"
+
+
+def load(path):
+    df = pd.read_csv(path)
+    df["causal"] = df["causal"].astype(str) == "True"
+    return df
+
+
+def cell(series):
+    """'fwd / bwd' TFLOP/s, or the status (OOM, error) when a provider did not run."""
+    parts = []
+    for mode in ("fwd", "bwd"):
+        row = series[series["mode"] == mode]
+        if row.empty:
+            parts.append("")
+        elif row["status"].iloc[0] == "ok":
+            parts.append(f"{row['tflops'].iloc[0]:.0f}")
+        else:
+            parts.append(str(row["status"].iloc[0]).replace("error: ", ""))
+    return " / ".join(parts) if any(parts) else ""
+
+
+def speed_table(df):
+    speed = df[df["mode"].isin(["fwd", "bwd"])]
+    providers = [p for p in SPEED_PROVIDERS if p in set(speed["provider"])]
+    lines = ["| D | N | B x H (H_kv) | causal | " + " | ".join(providers) + " |",
+             "|---|---|---|---|" + "---|" * len(providers)]
+    keys = speed[["D", "N", "B", "H", "H_kv", "causal"]].drop_duplicates()
+    for _, key in keys.sort_values(["H_kv", "D", "N", "causal"], ascending=[False, True, True, True]).iterrows():
+        sel = speed[(speed[["D", "N", "B", "H", "H_kv", "causal"]] == key.values).all(axis=1)]
+        heads = f"{key.H}" if key.H == key.H_kv else f"{key.H} ({key.H_kv})"
+        cells = [cell(sel[sel["provider"] == p]) for p in providers]
+        lines.append(f"| {key.D} | {key.N} | {key.B} x {heads} | {'yes' if key.causal else 'no'} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memory_table(df):
+    mem = df[df["mode"] == "fwd+bwd"]
+    lines = ["| N | " + " | ".join(MEMORY_PROVIDERS) + " |", "|---|" + "---|" * len(MEMORY_PROVIDERS)]
+    for seq in sorted(mem["N"].unique()):
+        cells = []
+        for p in MEMORY_PROVIDERS:
+            row = mem[(mem["N"] == seq) & (mem["provider"] == p)]
+            cells.append("" if row.empty else (f"{row['peak_gib'].iloc[0]:.2f}" if row["status"].iloc[0] == "ok"
+                                               else row["status"].iloc[0]))
+        lines.append(f"| {seq} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(df, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main = df[(df["mode"].isin(["fwd", "bwd"])) & (df["H"] * df["D"] == 2048) & (df["B"] * df["N"] == 16384)
+              & (df["H"] == df["H_kv"]) & (df["status"] == "ok")]
+    fig, axes = plt.subplots(2, 5, figsize=(24, 8.5))
+    for col, (head_dim, causal) in enumerate([(64, False), (64, True), (128, False), (128, True)]):
+        for r, mode in enumerate(("fwd", "bwd")):
+            ax = axes[r, col]
+            sel = main[(main["D"] == head_dim) & (main["causal"] == causal) & (main["mode"] == mode)]
+            for provider in SPEED_PROVIDERS:
+                p = sel[sel["provider"] == provider].sort_values("N")
+                if not p.empty:
+                    ax.plot(p["N"], p["tflops"], marker="o", label=provider, lw=2.5 if provider == "flashtrain" else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}, head_dim {head_dim}, {'causal' if causal else 'full'}")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    mem = df[(df["mode"] == "fwd+bwd") & (df["status"] == "ok")]
+    ax = axes[0, 4]
+    for provider in MEMORY_PROVIDERS:
+        p = mem[mem["provider"] == provider].sort_values("N")
+        ax.plot(p["N"], p["peak_gib"], marker="o", label=provider)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title("extra memory, fwd+bwd\n(B=1, H=16, D=128, causal)")
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("GiB")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    axes[1, 4].axis("off")
+    first = df.iloc[0]
+    fig.suptitle(f"bf16 attention on {first.gpu}, torch {first.torch}, triton {first.triton}, {first.date} "
+                 "(batch x seq = 16k tokens, heads x head_dim = 2048)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("csv")
+    parser.add_argument("--plot", help="write a PNG here")
+    parser.add_argument("--readme", help="refresh this README's benchmark section")
+    args = parser.parse_args(argv)
+    df = load(args.csv)
+    first = df.iloc[0]
+    text = (f"{first.gpu}, torch {first.torch}, triton {first.triton}, {first.date}; raw rows: "
+            f"[`{args.csv}`]({args.csv}). TFLOP/s, forward / backward (forward FLOPs 4*B*H*N*N*D, half when "
+            "causal; backward 2.5x), medians of `triton.testing.do_bench`. Flex was timed at N = 4k and 16k "
+            "only (it recompiles per shape). `RuntimeError`: SDPA's efficient backend needs as many KV heads "
+            "as query heads (no GQA).\n\n" + speed_table(df)
+            + "\n\nPeak memory of forward + backward beyond the inputs, GiB (B=1, H=16, D=128, causal, bf16):\n\n"
+            + memory_table(df))
+    print(text)
+    if args.plot:
+        plot(df, args.plot)
+        text += f"\n\n![attention benchmark]({args.plot})"
+    if args.readme:
+        with open(args.readme) as f:
+            readme = f.read()
+        if START not in readme or END not in readme:
+            raise SystemExit(f"{args.readme} has no {START} ... {END} section")
+        readme = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: f"{START}\n{text}\n{END}", readme,
+                        flags=re.S)
+        with open(args.readme, "w") as f:
+            f.write(readme)
+
+
+if __name__ == "__main__":
+    main()
