@@ -1,10 +1,12 @@
 """``flash_attention``: the public op, its input checks, and its ``torch.library`` registration.
 
 The kernels are wrapped in two custom ops, ``flashtrain::attention_fwd`` and ``flashtrain::attention_bwd``,
-each with a fake (meta) implementation, and joined by ``register_autograd``. Inside the ops the LSE lives
-in the log2 domain, as the kernels use it; ``flash_attention`` converts it to natural log for the caller. ``torch.compile`` therefore
+each with a fake (meta) implementation, and joined by ``register_autograd``. ``torch.compile`` therefore
 sees one opaque node per direction: ``fullgraph=True`` traces through ``flash_attention`` with no graph
 break, and the compiled graph launches the same kernels as eager mode.
+
+Inside the ops the LSE lives in the log2 domain, as the kernels use it; ``flash_attention`` converts it to
+natural log for the caller.
 """
 
 from __future__ import annotations
