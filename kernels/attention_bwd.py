@@ -283,9 +283,9 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
     configs.launch("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
                    lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
                    (q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
-                    seq_q, seq_k, *scales, configs.seq_bucket(seq_q)), q.dtype, **meta)
+                    seq_q, seq_k, *scales, configs.seq_bucket(seq_q)), q.dtype, max(seq_q, seq_k), **meta)
     configs.launch("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
                    lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
                    (q, k, v, do, lse, delta, dq, *common, *dq.stride(),
-                    seq_q, seq_k, *scales, configs.seq_bucket(seq_k)), q.dtype, **meta)
+                    seq_q, seq_k, *scales, configs.seq_bucket(seq_k)), q.dtype, max(seq_q, seq_k), **meta)
     return dq, dk, dv

@@ -195,7 +195,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
     args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             seq_q, seq_k, *split_scale(scale * LOG2E), configs.seq_bucket(seq_k))
-    configs.launch("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, q.dtype,
+    configs.launch("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, q.dtype, max(seq_q, seq_k),
                    GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
                    CAUSAL=causal, PRECISION=precision_for(q.dtype))
     return out, lse

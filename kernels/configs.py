@@ -2,8 +2,10 @@
 
 Three regimes:
 
-* Triton's interpreter (CPU): small fixed tiles. ``BLOCK_M != BLOCK_N`` on purpose, so the CPU tests
-  cross several blocks on both axes and exercise the causal stage split with unequal tiles, as the GPU does.
+* Triton's interpreter (CPU): fixed tiles. Its cost is per program and loop iteration, not per element,
+  so sequences of 256 and more take large tiles (10x faster than small ones at 256 tokens); shorter ones
+  take small tiles with ``BLOCK_M != BLOCK_N``, so the CPU tests cross several blocks on both axes and
+  exercise the causal stage split with unequal tiles, as the GPU does.
 * float64 on the GPU: one small fixed tile (fp64 tiles are 4x the bytes of bf16 ones; fp64 exists for
   gradcheck and exactness checks, not speed).
 * float16 / bfloat16 / float32 on the GPU: a short list of candidates per kernel, picked by
@@ -37,14 +39,23 @@ def seq_bucket(seq_len: int) -> int:
 INTERPRET_FWD = (32, 16, 4, 1)
 INTERPRET_DKDV = (16, 32, 4, 1)
 INTERPRET_DQ = (32, 16, 4, 1)
+INTERPRET_LONG_FWD = (128, 64, 4, 1)
+INTERPRET_LONG_DKDV = (64, 128, 4, 1)
+INTERPRET_LONG_DQ = (128, 64, 4, 1)
+INTERPRET_LONG_SEQ = 256
 FP64 = (32, 32, 4, 1)
 FP64_WIDE = (16, 16, 4, 1)  # head_dim > 128: 32 x 32 fp64 tiles need ~320 KB of shared memory (H200: 227)
 
 
-def fixed_config(kernel: str, dtype_is_fp64: bool, block_d: int) -> dict:
-    """The fixed launch parameters for ``kernel`` ('fwd', 'dkdv', 'dq') in the interpreter or fp64."""
+def fixed_config(kernel: str, dtype_is_fp64: bool, block_d: int, seq_len: int) -> dict:
+    """The fixed launch parameters for ``kernel`` ('fwd', 'dkdv', 'dq') in the interpreter or fp64;
+    ``seq_len`` is the longer of seq_q and seq_k."""
     if INTERPRET:
-        block_m, block_n, warps, stages = {"fwd": INTERPRET_FWD, "dkdv": INTERPRET_DKDV, "dq": INTERPRET_DQ}[kernel]
+        if seq_len >= INTERPRET_LONG_SEQ:
+            table = {"fwd": INTERPRET_LONG_FWD, "dkdv": INTERPRET_LONG_DKDV, "dq": INTERPRET_LONG_DQ}
+        else:
+            table = {"fwd": INTERPRET_FWD, "dkdv": INTERPRET_DKDV, "dq": INTERPRET_DQ}
+        block_m, block_n, warps, stages = table[kernel]
     else:
         assert dtype_is_fp64
         block_m, block_n, warps, stages = FP64 if block_d <= 128 else FP64_WIDE
@@ -105,13 +116,14 @@ def forced_configs(**per_kernel: triton.Config):
         _forced.update(saved)
 
 
-def launch(name: str, tuned, kernel, grid_fn, args, dtype: torch.dtype, **meta):
+def launch(name: str, tuned, kernel, grid_fn, args, dtype: torch.dtype, seq_len: int, **meta):
     """Launch ``kernel`` ('fwd', 'dkdv' or 'dq') with a fixed config (interpreter, fp64, forced) or
-    through ``tuned``, its autotuned wrapper. ``grid_fn`` maps the config's meta-parameters to a grid."""
+    through ``tuned``, its autotuned wrapper. ``grid_fn`` maps the config's meta-parameters to a grid;
+    ``seq_len`` (the longer of seq_q, seq_k) picks the interpreter's tiles."""
     if name in _forced:
         cfg = _forced[name]
     elif INTERPRET or dtype == torch.float64:
-        cfg = fixed_config(name, dtype == torch.float64, meta["BLOCK_D"])
+        cfg = fixed_config(name, dtype == torch.float64, meta["BLOCK_D"], seq_len)
     else:
         tuned[grid_fn](*args, **meta)
         return

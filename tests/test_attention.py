@@ -172,3 +172,12 @@ def test_random_valid_inputs(device):
         q, k, v = make_qkv(shape, torch.float64, device, requires_grad=True, seed=trial)
         check_forward(q, k, v, causal, scale)
         check_backward(q, k, v, causal, scale)
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_sequence_tiles(causal, device):
+    """Sequences of 256+ take the interpreter's large tiles (on CPU): they are checked as well."""
+    q, k, v = make_qkv((1, 2, 1, 300, 257, 24), torch.float64, device, requires_grad=True)
+    check_forward(q, k, v, causal)
+    check_backward(q, k, v, causal)

@@ -1,0 +1,43 @@
+"""Causal attention backends for the GPT: the `attn=` choice of the trainer.
+
+Each is ``attn(q, k, v) -> out`` on (B, nh, T, hs) tensors. Configs build them with Hydra's instantiate
+(``conf/attn/*.yaml``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .attention import flash_attention
+
+
+def flash(q, k, v):
+    """flashtrain's Triton kernels."""
+    return flash_attention(q, k, v, causal=True)
+
+
+def sdpa(q, k, v):
+    """PyTorch's scaled_dot_product_attention (it picks cuDNN / flash / efficient / math itself)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def eager(q, k, v):
+    """Matmul, softmax, matmul: the full (T, T) score matrix in memory, as unfused PyTorch code has it."""
+    T = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, T, T)
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+BACKENDS = {"flash": flash, "sdpa": sdpa, "eager": eager}
+
+
+def get(name: str):
+    """The backend called ``name``; a clear error for anything else."""
+    if name not in BACKENDS:
+        raise ValueError(f"attn={name!r} is not an attention backend; expected one of {sorted(BACKENDS)}")
+    return BACKENDS[name]

@@ -1,0 +1,39 @@
+"""Build the data, model, callbacks, logger and Lightning Trainer from a composed Hydra config, and fit."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from .data import TextDataModule
+from .lit import GPTModule
+
+log = logging.getLogger(__name__)
+
+
+def build(cfg: DictConfig):
+    """(datamodule, module, trainer) for ``cfg`` (conf/train.yaml and its groups)."""
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model_cfg["vocab_size"] = cfg.data.vocab_size  # the model's vocabulary follows the tokenizer
+    module = GPTModule(model=model_cfg, attn=cfg.attn.name, optim=OmegaConf.to_container(cfg.optim, resolve=True),
+                       compile=cfg.compile)
+    callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
+    logger = instantiate(cfg.logger) if cfg.logger else False
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+    return datamodule, module, trainer
+
+
+def train(cfg: DictConfig):
+    datamodule, module, trainer = build(cfg)
+    log.info("GPT: %.1fM parameters, attn=%s, seq_len=%d, batch=%d, %.3g FLOPs/token",
+             module.model.num_params() / 1e6, cfg.attn.name, cfg.data.seq_len, cfg.data.batch_size,
+             module.flops_per_token())
+    if trainer.logger is not None:
+        trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    return trainer
