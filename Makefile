@@ -1,4 +1,4 @@
-# Two entry points for a fresh clone:  `make demo` (the main job) and `make test` (the test suite).
+# Two entry points for a fresh clone:  `make train` (the main job) and `make test` (the test suite).
 # Both create .venv/ on first use. Override TORCH to pick another build, e.g. TORCH='torch==2.11.0'.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 READY := $(VENV)/.ready
 
-.PHONY: demo test test-gpu bench clean
+.PHONY: train demo test test-gpu bench clean
 
 $(READY): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(READY): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q "$(TORCH)" "$(TRITON)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(READY)
+
+# ARGS: Hydra overrides, e.g. make train ARGS="attn=flash seq_len=16k"
+train: $(READY)
+	$(BIN)/python scripts/train.py $(ARGS)
 
 demo: $(READY)
 	$(BIN)/python scripts/demo.py

@@ -23,7 +23,7 @@ def build(cfg: DictConfig):
     module = GPTModule(model=model_cfg, attn=cfg.attn.name, optim=OmegaConf.to_container(cfg.optim, resolve=True),
                        compile=cfg.compile)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
-    logger = instantiate(cfg.logger) if cfg.logger else False
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
     return datamodule, module, trainer
 
@@ -36,4 +36,6 @@ def train(cfg: DictConfig):
     if trainer.logger is not None:
         trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    last = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
+    log.info("last logged metrics: %s", last)
     return trainer

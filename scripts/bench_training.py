@@ -1,0 +1,171 @@
+"""Long-context training savings: the same GPT and tokens per step, trained with each attention backend.
+
+For each attn in (eager, sdpa, flash) and seq in 2k..32k: build the trainer from conf/train.yaml
+(gpt2-small, bf16-mixed, 32k tokens per step), train --steps steps, and record the median step time after
+--warmup steps, tokens/s, model TFLOP/s, MFU and the peak memory allocated / reserved. An out-of-memory
+run is recorded as OOM. Needs a CUDA GPU; writes a CSV.
+
+    python scripts/bench_training.py --out benchmarks/results/training_h200.csv
+    python scripts/bench_training.py --report benchmarks/results/training_h200.csv --plot PNG   # any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import statistics
+import time
+from pathlib import Path
+
+FIELDS = ["attn", "seq", "model", "params_m", "batch", "tokens_per_step", "steps", "step_time_s", "tokens_per_s",
+          "tflops", "mfu", "peak_alloc_gib", "peak_reserved_gib", "status", "gpu", "torch", "triton", "date"]
+
+
+def run_one(attn, seq, args, tmp):
+    import lightning as L
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from flashtrain.callbacks import peak_tflops_for
+    from flashtrain.train import build
+
+    class StepTimer(L.Callback):
+        def __init__(self):
+            self.times, self.t = [], None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            torch.cuda.synchronize()
+            if trainer.global_step == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t)
+
+    overrides = [f"attn={attn}", f"seq_len={seq}", f"model={args.model}", f"tokens_per_step={args.tokens_per_step}",
+                 f"trainer.max_steps={args.steps}", "trainer.enable_progress_bar=false", "~logger",
+                 "callbacks.checkpoint=null", "trainer.val_check_interval=1000000", f"output_dir={tmp}",
+                 "+trainer.enable_model_summary=false", "+trainer.enable_checkpointing=false"]
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    datamodule, module, trainer = build(cfg)
+    timer = StepTimer()
+    trainer.callbacks.append(timer)
+    row = dict(attn=attn, seq=seq, model=args.model, params_m=f"{module.model.num_params() / 1e6:.1f}",
+               batch=cfg.data.batch_size, tokens_per_step=cfg.data.batch_size * cfg.data.seq_len, steps=args.steps)
+    try:
+        trainer.fit(module, datamodule=datamodule)
+        step = statistics.median(timer.times[args.warmup:])
+        tokens_per_s = row["tokens_per_step"] / step
+        tflops = tokens_per_s * module.flops_per_token() / 1e12
+        peak = peak_tflops_for(torch.device("cuda"), None)
+        row.update(step_time_s=f"{step:.4f}", tokens_per_s=f"{tokens_per_s:.0f}", tflops=f"{tflops:.1f}",
+                   mfu=f"{tflops / peak:.3f}" if peak else "",
+                   peak_alloc_gib=f"{torch.cuda.max_memory_allocated() / 2**30:.2f}",
+                   peak_reserved_gib=f"{torch.cuda.max_memory_reserved() / 2**30:.2f}", status="ok")
+    except torch.OutOfMemoryError:
+        row.update(status="OOM")
+    del trainer, module, datamodule
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench(args):
+    import os
+
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    import torch
+    import triton
+
+    from flashtrain.config import register_resolvers
+
+    register_resolvers()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.date.today().isoformat())
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
+        writer.writeheader()
+        for seq in args.seqs:
+            for attn in args.attn:
+                row = dict(run_one(attn, seq, args, Path(args.tmp) / f"{attn}-{seq}"), **meta)
+                writer.writerow(row)
+                f.flush()
+                print(f"{attn:6s} seq={seq:6d} {row['status']:4s} tok/s={row.get('tokens_per_s', '')} "
+                      f"step={row.get('step_time_s', '')}s peak={row.get('peak_alloc_gib', '')} GiB", flush=True)
+
+
+def report(path, plot_path=None):
+    """Markdown table (and a PNG) from a bench_training CSV."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    attns = [a for a in ("eager", "sdpa", "flash", "flash_fp8") if any(r["attn"] == a for r in rows)]
+    seqs = sorted({int(r["seq"]) for r in rows})
+    get = {(r["attn"], int(r["seq"])): r for r in rows}
+    first = rows[0]
+    lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; "
+             f"{first['model']} ({first['params_m']}M parameters), bf16-mixed, {first['tokens_per_step']} tokens "
+             f"per step, median step after warm-up; raw rows: [`{path}`]({path}).", "",
+             "| seq | " + " | ".join(f"{a} tok/s | {a} peak GiB" for a in attns) + " |",
+             "|---|" + "---|---|" * len(attns)]
+    for seq in seqs:
+        cells = []
+        for a in attns:
+            r = get.get((a, seq))
+            if r is None:
+                cells += ["", ""]
+            elif r["status"] != "ok":
+                cells += [r["status"], r["status"]]
+            else:
+                cells += [f"{int(r['tokens_per_s']):,}", r["peak_alloc_gib"]]
+        lines.append(f"| {seq} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    if plot_path:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for a in attns:
+            ok = [r for r in rows if r["attn"] == a and r["status"] == "ok"]
+            xs = [int(r["seq"]) for r in ok]
+            ax_t.plot(xs, [float(r["tokens_per_s"]) for r in ok], marker="o", label=a)
+            ax_m.plot(xs, [float(r["peak_alloc_gib"]) for r in ok], marker="o", label=a)
+        for ax, title in ((ax_t, "training throughput, tokens/s"), (ax_m, "peak memory allocated, GiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"{first['model']} training on {first['gpu']} ({first['tokens_per_step']} tokens/step; "
+                     "missing points: out of memory)")
+        fig.tight_layout()
+        fig.savefig(plot_path, dpi=90)
+        text += f"\n\n![training benchmark]({plot_path})"
+    return text
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/training.csv")
+    parser.add_argument("--attn", nargs="+", default=["eager", "sdpa", "flash"])
+    parser.add_argument("--seqs", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--model", default="gpt2-small")
+    parser.add_argument("--tokens-per-step", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--tmp", default="/tmp/flashtrain-bench")
+    parser.add_argument("--report", metavar="CSV", help="print the table of an existing CSV instead")
+    parser.add_argument("--plot", help="with --report: write a PNG")
+    args = parser.parse_args(argv)
+    if args.report:
+        print(report(args.report, args.plot))
+    else:
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()
