@@ -52,8 +52,8 @@ class GPTModule(L.LightningModule):
         decay = [p for p in self.parameters() if p.dim() >= 2]  # matrices and embeddings
         no_decay = [p for p in self.parameters() if p.dim() < 2]  # norms and biases
         groups = [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
-        fused = self.device.type == "cuda"
-        optimizer = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), fused=fused)
+        # foreach, not fused: Lightning refuses gradient clipping with a fused optimizer under AMP
+        optimizer = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), foreach=True)
         max_steps = max(1, self.trainer.max_steps)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, o["warmup_steps"], max_steps, o["min_lr_ratio"]))

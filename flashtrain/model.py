@@ -48,7 +48,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate pairs (x[..., :hs/2], x[..., hs/2:]) of x (B, T, nh, hs) by the position angles."""
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs/2): broadcast over heads
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    # back to x's dtype: under autocast the tables are fp32 while q, k come out of a bf16 linear layer
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):
