@@ -130,7 +130,7 @@ def report(path, plot_path=None):
 
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
         for a in attns:
-            ok = [r for r in rows if r["attn"] == a and r["status"] == "ok"]
+            ok = sorted((r for r in rows if r["attn"] == a and r["status"] == "ok"), key=lambda r: int(r["seq"]))
             xs = [int(r["seq"]) for r in ok]
             ax_t.plot(xs, [float(r["tokens_per_s"]) for r in ok], marker="o", label=a)
             ax_m.plot(xs, [float(r["peak_alloc_gib"]) for r in ok], marker="o", label=a)
