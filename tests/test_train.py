@@ -192,3 +192,52 @@ def test_step_sampler_is_resumable_and_sharded():
     ranks = [StepSampler(10, seed=3, start=4, rank=r, world_size=2) for r in (0, 1)]
     shards = [[i for _, i in zip(range(5), s)] for s in ranks]
     assert shards[0] == stream[4:14:2] and shards[1] == stream[5:15:2]
+
+
+def test_activation_checkpointing_and_accumulation_keep_the_losses(tmp_path):
+    base = [*SMALL, "attn=sdpa", "logger=csv", "trainer.max_steps=3", "callbacks.checkpoint=null"]
+    train(config(*base, f"output_dir={tmp_path / 'plain'}"))
+    train(config(*base, "model.activation_checkpointing=true", f"output_dir={tmp_path / 'ckpt'}"))
+    plain, recomputed = losses_by_step(read_metrics(tmp_path / "plain")), losses_by_step(read_metrics(tmp_path / "ckpt"))
+    assert plain == pytest.approx(recomputed, rel=1e-6)
+    # two micro-batches of 1 per optimizer step instead of one batch of 2: same tokens per step, counted
+    train(config(*base, "tokens_per_step=64", "trainer.accumulate_grad_batches=2", f"output_dir={tmp_path / 'acc'}"))
+    perf = [r for r in read_metrics(tmp_path / "acc") if r.get("perf/tokens_per_s")]
+    assert perf and all(float(r["perf/tokens_per_s"]) * float(r["perf/step_time_s"]) == pytest.approx(2 * 64)
+                        for r in perf)
+
+
+def test_compiled_model_trains(tmp_path):
+    torch._dynamo.reset()
+    train(config(*SMALL, "attn=flash", "compile=true", "logger=csv", "trainer.max_steps=2",
+                 "callbacks.checkpoint=null", f"output_dir={tmp_path}"))
+    assert sorted(losses_by_step(read_metrics(tmp_path))) == [0, 1]
+
+
+def test_tokenizers_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "the": 1, "fox": 2, "dog": 3},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    text = tmp_path / "a.txt"
+    text.write_text("the fox the dog a cat " * 50)
+    dm = TextDataModule(seq_len=9, batch_size=2, files=[str(text)], tokenizer=str(path), vocab_size=4,
+                        cache_dir=tmp_path)
+    dm.setup()
+    assert next(iter(dm.train_dataloader())).max() < 4
+    with pytest.raises(ValueError, match="vocab_size=2"):
+        TextDataModule(seq_len=9, batch_size=2, files=[str(text)], tokenizer=str(path), vocab_size=2,
+                       cache_dir=tmp_path).setup()
+
+
+def test_bad_hub_name_is_a_clear_error(tmp_path):
+    """Offline here (HF_HUB_OFFLINE=1, read when datasets is imported, hence the subprocess)."""
+    code = ("from flashtrain.data import TextDataModule\n"
+            f"TextDataModule(seq_len=8, batch_size=2, hub='no-such-user/no-such-dataset', cache_dir={str(tmp_path)!r})"
+            ".setup()\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "ValueError: data.hub='no-such-user/no-such-dataset'" in result.stderr, result.stderr[-2000:]
