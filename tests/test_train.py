@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,10 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     assert set(keys) <= logged
     runs = list(tmp_path.rglob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, "no offline wandb run written"
+    # wandb.finish() can return before wandb-core's writer has flushed the log: wait for it (seen in CI)
+    deadline = time.monotonic() + 60
+    while not all(key.encode() in runs[0].read_bytes() for key in keys) and time.monotonic() < deadline:
+        time.sleep(0.5)
     data = runs[0].read_bytes()
     for key in keys:
         assert key.encode() in data, key
