@@ -1,0 +1,155 @@
+"""FlashMultiheadAttention against nn.MultiheadAttention with identical weights, and swap_attention."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import flashtrain.modules as modules
+from flashtrain import FlashMultiheadAttention, swap_attention, unswap_attention
+
+E, H = 32, 4
+
+
+def pair(dtype=torch.float64, device="cpu", **kwargs):
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, dtype=dtype, device=device, **kwargs)
+    for p in ref.parameters():  # biases are zero-initialised: give every parameter a value
+        nn.init.normal_(p, std=0.3)
+    flash = FlashMultiheadAttention(E, H, dtype=dtype, device=device, **kwargs)
+    flash.load_state_dict(ref.state_dict())
+    return ref, flash
+
+
+def inputs(shape_q, shape_kv=None, dtype=torch.float64, device="cpu", kdim=E, vdim=E):
+    shape_kv = shape_kv or shape_q
+    q = torch.randn(*shape_q[:-1], E, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(*shape_kv[:-1], kdim, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(*shape_kv[:-1], vdim, dtype=dtype, device=device, requires_grad=True)
+    return q, k, v
+
+
+def compare(ref, flash, q, k, v, expect_flash=True, tol=1e-10, **kwargs):
+    kwargs.setdefault("need_weights", False)
+    reason = flash.flash_skip_reason(q, k, v, kwargs.get("key_padding_mask"), kwargs["need_weights"],
+                                     kwargs.get("attn_mask"), kwargs.get("is_causal", False))
+    assert (reason is None) == expect_flash, reason
+    out_ref, w_ref = ref(q, k, v, **kwargs)
+    grads_ref = torch.autograd.grad(out_ref.square().sum(), [q, k, v, *ref.parameters()], allow_unused=True)
+    out, w = flash(q, k, v, **kwargs)
+    grads = torch.autograd.grad(out.square().sum(), [q, k, v, *flash.parameters()], allow_unused=True)
+    torch.testing.assert_close(out, out_ref, rtol=tol, atol=tol)
+    assert (w is None) == (w_ref is None)
+    if w is not None:
+        torch.testing.assert_close(w, w_ref, rtol=tol, atol=tol)
+    for g, r in zip(grads, grads_ref):
+        assert (g is None) == (r is None)
+        if g is not None:
+            torch.testing.assert_close(g, r, rtol=tol * 10, atol=tol * 10)
+
+
+def test_state_dict_loads_both_ways():
+    ref, flash = pair(add_bias_kv=True, kdim=16, vdim=24)
+    assert list(ref.state_dict()) == list(flash.state_dict())
+    ref.load_state_dict(flash.state_dict())
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)], ids=["fp64", "fp32"])
+def test_self_attention(batch_first, dtype, tol):
+    ref, flash = pair(dtype=dtype, batch_first=batch_first)
+    shape = (2, 19, E) if batch_first else (19, 2, E)
+    q = torch.randn(shape, dtype=dtype, requires_grad=True)
+    compare(ref, flash, q, q, q, tol=tol)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_causal(batch_first):
+    ref, flash = pair(batch_first=batch_first)
+    q, _, _ = inputs((2, 23, E) if batch_first else (23, 2, E))
+    mask = nn.Transformer.generate_square_subsequent_mask(23, dtype=torch.float64)
+    compare(ref, flash, q, q, q, attn_mask=mask, is_causal=True)
+
+
+def test_cross_attention_kdim_vdim_bias_kv_zero_attn_no_bias():
+    ref, flash = pair(kdim=16, vdim=24, add_bias_kv=True, add_zero_attn=True, bias=False, batch_first=True)
+    q, k, v = inputs((2, 13, E), (2, 29, E), kdim=16, vdim=24)
+    compare(ref, flash, q, k, v)
+
+
+def test_unbatched():
+    ref, flash = pair()
+    q, k, v = inputs((11, E), (17, E))
+    compare(ref, flash, q, k, v)
+
+
+def test_fallbacks_are_exact():
+    """Calls the kernels do not cover yet take PyTorch's implementation: same results, weights included."""
+    ref, flash = pair(batch_first=True)
+    q, k, v = inputs((2, 9, E), (2, 12, E))
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, 8:] = True
+    compare(ref, flash, q, k, v, key_padding_mask=padding, expect_flash=False)
+    bool_mask = torch.rand(9, 12) > 0.7
+    bool_mask[:, 0] = False  # every query sees at least one key
+    compare(ref, flash, q, k, v, attn_mask=bool_mask, expect_flash=False)
+    compare(ref, flash, q, k, v, attn_mask=torch.randn(2 * H, 9, 12, dtype=torch.float64), expect_flash=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compare(ref, flash, q, k, v, need_weights=True, expect_flash=False)
+        compare(ref, flash, q, k, v, need_weights=True, average_attn_weights=False, expect_flash=False)
+
+
+def test_need_weights_warns_once(monkeypatch):
+    monkeypatch.setattr(modules, "_warned_need_weights", False)
+    _, flash = pair()
+    q, _, _ = inputs((5, 2, E))
+    with pytest.warns(UserWarning, match="need_weights=False"):
+        flash(q, q, q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash(q, q, q)
+
+
+def test_dropout_in_training_falls_back_and_eval_uses_kernels():
+    _, flash = pair(dropout=0.1)
+    q, _, _ = inputs((5, 2, E))
+    assert flash.flash_skip_reason(q, q, q, need_weights=False) == "attention dropout in training"
+    flash.eval()
+    assert flash.flash_skip_reason(q, q, q, need_weights=False) is None
+
+
+def test_swap_attention_on_transformer_encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=64, dropout=0.0, batch_first=True, dtype=torch.float64)
+    encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
+    for p in encoder.parameters():
+        nn.init.normal_(p, std=0.2)
+    swapped = swap_attention(copy.deepcopy(encoder))
+    assert sum(type(m) is FlashMultiheadAttention for m in swapped.modules()) == 2
+    assert swapped.training and all(p.dtype == torch.float64 for p in swapped.parameters())
+    x = torch.randn(2, 17, E, dtype=torch.float64)
+    mask = nn.Transformer.generate_square_subsequent_mask(17, dtype=torch.float64)
+    calls = []
+    real = modules.flash_attention
+    modules.flash_attention = lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+    try:
+        out = swapped(x, mask=mask, is_causal=True)
+    finally:
+        modules.flash_attention = real
+    assert len(calls) == 2 and all(c["causal"] for c in calls)
+    ref = encoder(x, mask=mask, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad(out.sum(), list(swapped.parameters()))
+    ref_grads = torch.autograd.grad(ref.sum(), list(encoder.parameters()))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9)
+    unswap_attention(swapped)
+    assert not any(type(m) is FlashMultiheadAttention for m in swapped.modules())
+
+
+def test_swap_attention_warns_when_nothing_to_swap():
+    with pytest.warns(UserWarning, match="nothing was swapped"):
+        swap_attention(nn.Linear(3, 3))
