@@ -14,7 +14,7 @@ $(READY): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)" "$(TRITON)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,transformers]"
 	touch $(READY)
 
 # ARGS: Hydra overrides, e.g. make train ARGS="attn=flash seq_len=16k"
