@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 
 def build(cfg: DictConfig):
     """(datamodule, module, trainer) for ``cfg`` (conf/train.yaml and its groups)."""
+    if cfg.trainer.max_steps is None or cfg.trainer.max_steps <= 0:
+        raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps}: expected a positive number of steps (the "
+                         "training stream is endless, and the learning-rate schedule spans max_steps)")
     L.seed_everything(cfg.seed, workers=True)
     datamodule = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)

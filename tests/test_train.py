@@ -71,6 +71,11 @@ def test_every_config_group_composes_and_instantiates(group, option, tmp_path):
     assert module.model.num_params() > 0 and trainer.max_steps == cfg.trainer.max_steps
 
 
+def test_max_steps_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="trainer.max_steps=-1"):
+        build(config("trainer.max_steps=-1", f"output_dir={tmp_path}"))
+
+
 def test_experiment_composes(tmp_path):
     cfg = config("+experiment=long_context_16k", f"output_dir={tmp_path}", name="train")
     assert cfg.data.seq_len == 16384 and cfg.model.n_layer == 12 and cfg.attn.name == "flash"
