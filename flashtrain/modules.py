@@ -6,11 +6,14 @@ ways and ``swap_attention`` can change a module's class in place (weights, devic
 hooks and training mode untouched).
 
 Forward runs the flash kernels for: no mask; a causal ``attn_mask`` passed with ``is_causal=True`` (query
-and key lengths equal, as PyTorch's hint requires); ``add_bias_kv`` / ``add_zero_attn`` without masks;
-kdim/vdim; batched and unbatched inputs. Everything else takes PyTorch's own exact implementation
-(``nn.MultiheadAttention.forward``): ``need_weights=True`` (the weights are the N x N matrix: pass
-``need_weights=False`` to keep the memory savings; a warning says so once), ``key_padding_mask``,
-arbitrary ``attn_mask``, attention dropout in training, and CPU tensors without Triton's interpreter.
+and key lengths equal, as PyTorch's hint requires); a boolean ``key_padding_mask`` without a causal mask
+(each batch element's unpadded keys are gathered and attended to in their own launch: exact, no (L, S)
+tensor, one launch per element); ``add_bias_kv`` / ``add_zero_attn``; kdim/vdim; batched and unbatched
+inputs. Everything else takes PyTorch's own exact implementation (``nn.MultiheadAttention.forward``):
+``need_weights=True`` (the weights are the N x N matrix: pass ``need_weights=False`` to keep the memory
+savings; a warning says so once), float or causal-combined key padding masks, a sequence whose keys are all
+padded (PyTorch returns NaN there), arbitrary ``attn_mask``, attention dropout in training, and CPU tensors
+without Triton's interpreter.
 ``FlashMultiheadAttention.flash_skip_reason(...)`` tells which path a call takes.
 """
 
@@ -44,7 +47,7 @@ class FlashMultiheadAttention(nn.MultiheadAttention):
             return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                    attn_mask=attn_mask, average_attn_weights=average_attn_weights,
                                    is_causal=is_causal)
-        return self._flash_forward(query, key, value, causal=is_causal), None
+        return self._flash_forward(query, key, value, causal=is_causal, key_padding_mask=key_padding_mask), None
 
     def flash_skip_reason(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                           is_causal=False) -> str | None:
@@ -52,7 +55,12 @@ class FlashMultiheadAttention(nn.MultiheadAttention):
         if need_weights:
             return "need_weights=True"
         if key_padding_mask is not None:
-            return "key_padding_mask"
+            if key_padding_mask.dtype != torch.bool:
+                return "float key_padding_mask"
+            if is_causal or attn_mask is not None:
+                return "key_padding_mask with attn_mask"
+            if self.bias_k is None and not self.add_zero_attn and bool(key_padding_mask.all(dim=-1).any()):
+                return "a sequence whose keys are all padded"
         if self.training and self.dropout > 0:
             return "attention dropout in training"
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
@@ -75,7 +83,7 @@ class FlashMultiheadAttention(nn.MultiheadAttention):
             return f"device {query.device}"
         return None
 
-    def _flash_forward(self, query, key, value, causal: bool):
+    def _flash_forward(self, query, key, value, causal: bool, key_padding_mask=None):
         batched = query.dim() == 3
         if not batched:  # (L, E) -> (1, L, E)
             query, key, value = (x.unsqueeze(0) for x in (query, key, value))
@@ -100,11 +108,27 @@ class FlashMultiheadAttention(nn.MultiheadAttention):
             k = torch.cat([k, k.new_zeros(B, 1, E)], dim=1)
             v = torch.cat([v, v.new_zeros(B, 1, E)], dim=1)
         q, k, v = (t.view(B, t.shape[1], H, E // H).transpose(1, 2) for t in (q, k, v))  # (B, H, *, hd)
-        out = flash_attention(q, k, v, causal=causal)  # (B, H, L, hd)
+        if key_padding_mask is None:
+            out = flash_attention(q, k, v, causal=causal)  # (B, H, L, hd)
+        else:
+            out = self._attend_unpadded(q, k, v, key_padding_mask.view(B, -1))
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, E))
         if not batched:
             return out.squeeze(0)
         return out if self.batch_first else out.transpose(0, 1)
+
+
+    def _attend_unpadded(self, q, k, v, key_padding_mask):
+        """Attention of each batch element over its unpadded keys. key_padding_mask (B, S): True = padding;
+        keys appended by add_bias_kv / add_zero_attn (past S) are never padding, as in PyTorch."""
+        B, S = key_padding_mask.shape
+        keep = torch.ones(B, k.shape[2], dtype=torch.bool, device=k.device)
+        keep[:, :S] = ~key_padding_mask
+        outs = []
+        for b in range(B):
+            idx = keep[b].nonzero().squeeze(1)
+            outs.append(flash_attention(q[b:b + 1], k[b:b + 1, :, idx], v[b:b + 1, :, idx]))  # (1, H, L, hd)
+        return torch.cat(outs, dim=0)
 
 
 def _warn_need_weights():

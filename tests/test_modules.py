@@ -85,13 +85,37 @@ def test_unbatched():
     compare(ref, flash, q, k, v)
 
 
+@pytest.mark.parametrize("extra", [{}, {"add_bias_kv": True}, {"add_zero_attn": True}], ids=["plain", "bias_kv", "zero_attn"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_key_padding_mask(batch_first, extra):
+    ref, flash = pair(batch_first=batch_first, **extra)
+    q, k, v = inputs((2, 9, E) if batch_first else (9, 2, E), (2, 12, E) if batch_first else (12, 2, E))
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, 8:] = True  # right padding
+    padding[0, [0, 3, 4]] = True  # and holes anywhere
+    compare(ref, flash, q, k, v, key_padding_mask=padding)
+
+
+def test_key_padding_mask_unbatched():
+    ref, flash = pair()
+    q, k, v = inputs((7, E), (10, E))
+    compare(ref, flash, q, k, v, key_padding_mask=torch.arange(10) >= 6)
+
+
 def test_fallbacks_are_exact():
     """Calls the kernels do not cover yet take PyTorch's implementation: same results, weights included."""
     ref, flash = pair(batch_first=True)
     q, k, v = inputs((2, 9, E), (2, 12, E))
     padding = torch.zeros(2, 12, dtype=torch.bool)
     padding[1, 8:] = True
-    compare(ref, flash, q, k, v, key_padding_mask=padding, expect_flash=False)
+    compare(ref, flash, q, k, v, key_padding_mask=padding.to(torch.float64) * -1e9, expect_flash=False)
+    causal = nn.Transformer.generate_square_subsequent_mask(9, dtype=torch.float64)
+    q9, k9, v9 = inputs((2, 9, E))
+    compare(ref, flash, q9, k9, v9, key_padding_mask=padding[:, :9].to(torch.float64) * -1e9, attn_mask=causal,
+            is_causal=True, expect_flash=False)
+    all_padded = torch.zeros(2, 12, dtype=torch.bool)
+    all_padded[0] = True  # PyTorch returns NaN for that sequence; the kernels would return zeros
+    assert flash.flash_skip_reason(q, k, v, all_padded, need_weights=False) == "a sequence whose keys are all padded"
     bool_mask = torch.rand(9, 12) > 0.7
     bool_mask[:, 0] = False  # every query sees at least one key
     compare(ref, flash, q, k, v, attn_mask=bool_mask, expect_flash=False)
