@@ -39,3 +39,36 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])  # rows with no key: exp(-inf) = 0
     out = torch.matmul(probs, v)
     return out.to(dtype), lse
+
+
+def fp8_quantize_ref(x: torch.Tensor, block_n: int):
+    """Per-tile e4m3 quantisation (see flashtrain.kernels.fp8_quant): returns (q, scales) like the kernel."""
+    batch, heads, seq, head_dim = x.shape
+    tiles = -(-seq // block_n)
+    padded = torch.zeros(batch, heads, tiles * block_n, head_dim, dtype=torch.float32, device=x.device)
+    padded[:, :, :seq] = x.float()
+    padded = padded.view(batch, heads, tiles, block_n, head_dim)
+    amax = padded.abs().amax(dim=(-1, -2))  # (B, H, tiles)
+    scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (padded / scales[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(batch, heads, tiles * block_n, head_dim)[:, :, :seq], scales
+
+
+def fp8_dequantize_ref(q: torch.Tensor, scales: torch.Tensor, block_n: int) -> torch.Tensor:
+    """q.float() * the scale of each row's tile."""
+    return q.float() * scales.repeat_interleave(block_n, dim=-1)[..., : q.shape[2], None]
+
+
+def hadamard_matrix(d: int, dtype=torch.float64, device=None) -> torch.Tensor:
+    """Sylvester Hadamard matrix (d x d, d a power of two), entries +-1."""
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard_ref(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """(x zero-padded to len(signs)) * signs @ H / sqrt(len(signs)), in float64, returned in x's dtype."""
+    d = signs.numel()
+    padded = torch.nn.functional.pad(x.double(), (0, d - x.shape[-1]))
+    return ((padded * signs.double()) @ hadamard_matrix(d, device=x.device) / math.sqrt(d)).to(x.dtype)

@@ -1,0 +1,85 @@
+"""Per-tile FP8 (e4m3) quantisation for the FP8 attention path.
+
+One scale per (batch, head, tile of BLOCK_N rows): scale = amax(|x_tile|) / 448 (448: e4m3's largest
+finite value), q = round_e4m3(x / scale), so x ~= q * scale. An all-zero tile gets scale 1 (no 0/0) and
+quantises to zeros. Tails (seq not a multiple of BLOCK_N) take the amax of their valid rows only.
+
+Rounding is done here, to nearest even on the e4m3 grid (3 mantissa bits; spacing 2^-9 below 2^-6, e4m3's
+subnormals), before the cast: the cast then only meets representable values. That makes the result the
+same as torch's ``.to(torch.float8_e4m3fn)`` everywhere, including Triton's CPU interpreter, whose own
+fp32->e4m3 conversion drops the rounding carry (1.98 -> 1.0).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even; returned as fp32."""
+    # normal range: keep the top 3 of fp32's 23 mantissa bits (round to nearest even on bit 20)
+    bits = x.to(tl.int32, bitcast=True)
+    negative = bits < 0  # the sign bit: true for -0.0 as well, unlike x < 0
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # -0x100000: clears the low 20 bits
+    normal = bits.to(tl.float32, bitcast=True)
+    # subnormal range (|x| < 2^-6): multiples of 2^-9, rounded on |x| so the sign (of zero too) is kept
+    t = tl.abs(x) * 512.0
+    r = tl.floor(t + 0.5)
+    r = tl.where((r - t == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r)  # halfway: to even
+    # times +-1, not negation: Triton's interpreter evaluates -v as 0 - v, which turns -0.0 into +0.0
+    sub = r * 0.001953125 * tl.where(negative, -1.0, 1.0)  # 2^-9
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)  # 2^-6
+
+
+@triton.jit
+def fp8_quantize_kernel(
+    X, Q, S,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    seq,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: one tile of BLOCK_N rows of one (batch, head). Grid (cdiv(seq, BLOCK_N), H, B).
+
+    X: (B, H, seq, HEAD_DIM), any strides and float dtype. Q: same shape, contiguous, float8_e4m3fn.
+    S: (B, H, cdiv(seq, BLOCK_N)) float32, contiguous.
+    """
+    pid_n = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < seq) & (offs_d[None, :] < HEAD_DIM)
+    x = tl.load(X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
+                + rows[:, None] * stride_xn + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)  # 448: e4m3's largest finite value
+    q = _round_to_e4m3_grid(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+    head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
+    tl.store(Q + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + head * tl.num_programs(0) + pid_n, scale)
+
+
+def fp8_quantize(x: torch.Tensor, block_n: int):
+    """Quantise x (B, H, N, D) to e4m3 with one fp32 scale per tile of ``block_n`` rows.
+
+    Returns (q, scales): q (B, H, N, D) float8_e4m3fn, contiguous; scales (B, H, cdiv(N, block_n)) float32,
+    with x ~= q.float() * scales repeated over each tile's rows.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"fp8_quantize: x must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"fp8_quantize: block_n={block_n}; expected a power of two >= 16")
+    batch, heads, seq, head_dim = x.shape
+    q = torch.empty((batch, heads, seq, head_dim), device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((batch, heads, triton.cdiv(seq, block_n)), device=x.device, dtype=torch.float32)
+    if q.numel():
+        fp8_quantize_kernel[(triton.cdiv(seq, block_n), heads, batch)](
+            x, q, scales, *x.stride(), seq, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_N=block_n)
+    return q, scales

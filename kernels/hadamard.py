@@ -1,0 +1,92 @@
+"""Randomised Hadamard transform for incoherent processing (FP8 attention), in O(d log d) per row.
+
+y = (x * signs) @ H / sqrt(d'), with H the d' x d' Sylvester Hadamard matrix (d' = head_dim padded with zeros
+to a power of two) and ``signs`` a fixed random +-1 vector. The map is orthogonal, so applying it to both Q
+and K leaves Q K^T unchanged, while it spreads an outlier channel over all channels before quantisation.
+Its inverse (and its gradient) is x = (y @ H / sqrt(d')) * signs, cut back to head_dim.
+
+The kernel holds BLOCK_R rows in registers and runs the log2(d') butterfly stages of the fast Walsh-Hadamard
+transform on them: additions and subtractions only, then one scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_fwd import _scale, split_scale
+
+
+@triton.jit
+def _butterfly(x, R: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+    """One FWHT stage on (R, D): pairs (i, i + H) within blocks of 2H become (a + b, a - b)."""
+    x4 = tl.permute(tl.reshape(x, (R, D // (2 * H), 2, H)), (0, 1, 3, 2))  # (R, blocks, H, pair)
+    a, b = tl.split(x4)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, D))
+
+
+@triton.jit
+def hadamard_kernel(X, SIGNS, Y, n_rows, d_in, d_out, norm, norm_lo,
+                    D: tl.constexpr, BLOCK_R: tl.constexpr, SIGNS_FIRST: tl.constexpr):
+    """One program: BLOCK_R rows. X (n_rows, d_in), Y (n_rows, d_out), both contiguous; D = next pow2 >= d_in.
+
+    SIGNS_FIRST: forward (signs, then H); else inverse (H, then signs). (norm, norm_lo): split 1/sqrt(D).
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, D)
+    acc_dtype = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    x = tl.load(X + rows[:, None].to(tl.int64) * d_in + cols[None, :],
+                mask=(rows[:, None] < n_rows) & (cols[None, :] < d_in), other=0.0).to(acc_dtype)
+    signs = tl.load(SIGNS + cols).to(acc_dtype)
+    if SIGNS_FIRST:
+        x = x * signs[None, :]
+    # stage s pairs columns 2^s apart; stages past log2(D) are compiled out
+    x = _butterfly(x, BLOCK_R, D, 1)
+    if D > 2:
+        x = _butterfly(x, BLOCK_R, D, 2)
+    if D > 4:
+        x = _butterfly(x, BLOCK_R, D, 4)
+    if D > 8:
+        x = _butterfly(x, BLOCK_R, D, 8)
+    if D > 16:
+        x = _butterfly(x, BLOCK_R, D, 16)
+    if D > 32:
+        x = _butterfly(x, BLOCK_R, D, 32)
+    if D > 64:
+        x = _butterfly(x, BLOCK_R, D, 64)
+    if D > 128:
+        x = _butterfly(x, BLOCK_R, D, 128)
+    x = _scale(x, norm, norm_lo)
+    if not SIGNS_FIRST:
+        x = x * signs[None, :]
+    tl.store(Y + rows[:, None].to(tl.int64) * d_out + cols[None, :], x.to(Y.dtype.element_ty),
+             mask=(rows[:, None] < n_rows) & (cols[None, :] < d_out))
+
+
+def padded_dim(head_dim: int) -> int:
+    """Width of the transform: head_dim rounded up to a power of two (at least 2)."""
+    return max(2, triton.next_power_of_2(head_dim))
+
+
+def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_dim: int | None = None):
+    """Forward: (..., d) -> (..., d'), y = (x * signs) @ H / sqrt(d'). Inverse: (..., d') -> (..., out_dim),
+    x = (y @ H / sqrt(d') * signs)[..., :out_dim]. ``signs``: (d',) of +-1; d' = padded_dim(d) <= 256."""
+    d_in = x.shape[-1]
+    d = signs.numel()
+    expected = d_in if inverse else padded_dim(d_in)
+    if d != expected:
+        raise ValueError(f"hadamard: signs has {d} entries; expected {expected} for input width {d_in}")
+    if d > 256:
+        raise ValueError(f"hadamard: transform width {d} > 256")
+    d_out = d if not inverse else (out_dim or d)
+    rows = x.reshape(-1, d_in).contiguous()
+    y = torch.empty((rows.shape[0], d_out), device=x.device, dtype=x.dtype)
+    block_r = 16
+    if rows.shape[0]:
+        hadamard_kernel[(triton.cdiv(rows.shape[0], block_r),)](
+            rows, signs.to(device=x.device).contiguous(), y, rows.shape[0], d_in, d_out,
+            *split_scale(1.0 / math.sqrt(d)), D=d, BLOCK_R=block_r, SIGNS_FIRST=not inverse)
+    return y.view(*x.shape[:-1], d_out)

@@ -1,0 +1,66 @@
+"""FP8 building blocks: per-tile e4m3 quantisation and the randomised Hadamard transform, against PyTorch."""
+
+import pytest
+import torch
+
+from flashtrain.fp8 import fp8_quantize, hadamard_transform, random_signs
+from flashtrain.kernels.hadamard import hadamard
+from flashtrain.reference import fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape, block_n", [((1, 2, 1, 24), 16), ((2, 2, 37, 40), 16), ((1, 1, 129, 64), 32),
+                                            ((1, 2, 300, 24), 128)], ids=str)
+def test_quantize_matches_reference(shape, block_n, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * torch.logspace(-6, 2, shape[-1])).to(device=device, dtype=dtype)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # strided input
+    q, scales = fp8_quantize(x, block_n)
+    ref_q, ref_scales = fp8_quantize_ref(x, block_n)
+    assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))  # bit-identical, rounding included
+    # round trip: at most half an e4m3 step (2^-4 relative; 2^-10 absolute on the scaled subnormal grid)
+    err = (fp8_dequantize_ref(q, scales, block_n) - x.float()).abs()
+    bound = x.float().abs() * 2**-4 + scales.repeat_interleave(block_n, -1)[..., : x.shape[2], None] * 2**-10
+    assert (err <= bound * (1 + 1e-6)).all()
+
+
+def test_quantize_zero_tiles_and_tails(device):
+    x = torch.zeros(1, 1, 40, 16, device=device)
+    x[0, 0, 35, 3] = 7.0  # only the last (tail) tile of 8 rows is non-zero
+    q, scales = fp8_quantize(x, 16)
+    assert torch.equal(scales[0, 0], torch.tensor([1.0, 1.0, 7.0 / 448], device=device))
+    assert torch.isfinite(q.float()).all() and q.float()[0, 0, :32].abs().sum() == 0
+    assert q.float()[0, 0, 35, 3] * scales[0, 0, 2] == 7.0
+
+
+def test_quantize_bad_input():
+    with pytest.raises(ValueError, match="block_n=24"):
+        fp8_quantize(torch.randn(1, 1, 4, 8), 24)
+
+
+@pytest.mark.parametrize("head_dim", [1, 24, 64, 100, 256])
+def test_hadamard_matches_reference_and_is_orthogonal(head_dim, device):
+    signs = random_signs(head_dim, seed=head_dim, device=device)
+    x = torch.randn(3, 5, head_dim, dtype=torch.float64, device=device)
+    y = hadamard_transform(x, signs)
+    torch.testing.assert_close(y, hadamard_ref(x, signs), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=1e-12)  # orthogonal
+    back = hadamard(y, signs, inverse=True, out_dim=head_dim)
+    torch.testing.assert_close(back, x, rtol=1e-12, atol=1e-12)  # inverse
+
+
+def test_hadamard_keeps_scores_and_spreads_outliers(device):
+    signs = random_signs(64, seed=1, device=device)
+    q, k = torch.randn(2, 9, 64, dtype=torch.float64, device=device), torch.randn(2, 11, 64, dtype=torch.float64, device=device)
+    q[..., 5] *= 100  # an outlier channel
+    qh, kh = hadamard_transform(q, signs), hadamard_transform(k, signs)
+    torch.testing.assert_close(qh @ kh.transpose(-1, -2), q @ k.transpose(-1, -2), rtol=1e-10, atol=1e-9)
+    assert qh.abs().amax() < q.abs().amax() / 4  # the outlier's energy is spread over all 64 channels
+
+
+def test_hadamard_gradcheck(device):
+    signs = random_signs(40, seed=2, device=device)
+    x = torch.randn(2, 3, 40, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: hadamard_transform(x, signs), (x,), fast_mode=True)
