@@ -43,7 +43,8 @@ def hadamard_kernel(X, SIGNS, Y, n_rows, d_in, d_out, norm, norm_lo,
     signs = tl.load(SIGNS + cols).to(acc_dtype)
     if SIGNS_FIRST:
         x = x * signs[None, :]
-    # stage s pairs columns 2^s apart; stages past log2(D) are compiled out
+    # stage s pairs columns 2^s apart; stages past log2(D) are compiled out. Written out rather than a
+    # tl.static_range loop: in Triton's interpreter the loop variable is a tensor, which reshape rejects.
     x = _butterfly(x, BLOCK_R, D, 1)
     if D > 2:
         x = _butterfly(x, BLOCK_R, D, 2)
