@@ -14,6 +14,10 @@ Numerics (the parts built so far; the FP8 attention kernels that use them come n
   = Q K^T in exact arithmetic; in FP8 it spreads outlier channels over all channels, so per-tile scales are
   set by typical values rather than by the outlier. Applied in O(d log d) by a fast Walsh-Hadamard
   transform kernel (``flashtrain.kernels.hadamard``); its gradient is the inverse transform.
+* P (the softmax numerator exp(S - rowmax), in [0, 1]) is planned to go to e4m3 with the fixed scale 1/448
+  before P V, with the row sum taken from the unrounded P. ``flashtrain.reference.fp8_attention_ref``
+  simulates the whole scheme in float64; benchmarks/NOTES.md has its error on FlashAttention-3's outlier
+  benchmark, which the kernels are to match.
 """
 
 from __future__ import annotations

@@ -72,3 +72,41 @@ def hadamard_ref(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     d = signs.numel()
     padded = torch.nn.functional.pad(x.double(), (0, d - x.shape[-1]))
     return ((padded * signs.double()) @ hadamard_matrix(d, device=x.device) / math.sqrt(d)).to(x.dtype)
+
+
+def _e4m3_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to e4m3 (nearest even, saturating at 448), times scale, in float64."""
+    return (x / scale).clamp(-448.0, 448.0).float().to(torch.float8_e4m3fn).double() * scale
+
+
+def fp8_attention_ref(q, k, v, *, causal=False, scale=None, scheme="block+hadamard", block_m=128, block_n=128,
+                      signs=None):
+    """FP8 attention simulated in float64: what an FP8 kernel computes, up to its accumulation order.
+
+    scheme: "tensor" (one scale per tensor), "block" (one scale per tile of block_m query / block_n key rows,
+    per batch and head), or "block+hadamard" (the same after rotating Q and K by diag(signs) H / sqrt(d')).
+    Q K^T uses the dequantised Q and K; the softmax numerator P = exp(S - rowmax), in [0, 1], is rounded to
+    e4m3 with the fixed scale 1/448 before P V, and the row sum uses the unrounded P. Returns float64 output.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if scheme.endswith("+hadamard"):
+        q, k = hadamard_ref(q, signs), hadamard_ref(k, signs)
+    if scheme == "tensor":
+        quant = [_e4m3_round_trip(t, t.abs().amax().clamp_min(1e-30) / 448.0) for t in (q, k, v)]
+    elif scheme in ("block", "block+hadamard"):
+        quant = []
+        for t, block in ((q, block_m), (k, block_n), (v, block_n)):
+            _, scales = fp8_quantize_ref(t, block)
+            quant.append(_e4m3_round_trip(t, scales.double().repeat_interleave(block, -1)[..., : t.shape[2], None]))
+    else:
+        raise ValueError(f"scheme={scheme!r}: expected 'tensor', 'block' or 'block+hadamard'")
+    q8, k8, v8 = quant
+    group = q.shape[1] // k.shape[1]
+    k8, v8 = k8.repeat_interleave(group, 1), v8.repeat_interleave(group, 1)
+    s = q8 @ k8.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    p8 = _e4m3_round_trip(p, torch.tensor(1.0 / 448.0, dtype=torch.float64))
+    return (p8 @ v8) / p.sum(-1, keepdim=True)
