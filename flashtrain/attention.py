@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from flashtrain.kernels import INTERPRET, attention_bwd, attention_fwd, lse_dtype
+from flashtrain.kernels.attention_fwd import LOG2E
 
 LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256

@@ -1,7 +1,7 @@
 """Causal attention backends for the GPT: the `attn=` choice of the trainer.
 
-Each is ``attn(q, k, v) -> out`` on (B, nh, T, hs) tensors. Configs build them with Hydra's instantiate
-(``conf/attn/*.yaml``).
+Each is ``attn(q, k, v) -> out`` on (B, nh, T, hs) tensors; ``conf/attn/*.yaml`` name them and ``get``
+looks them up.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ def sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def eager(q, k, v):
+def eager(q, k, v, causal: bool = True):
     """Matmul, softmax, matmul: the full (T, T) score matrix in memory, as unfused PyTorch code has it."""
     T = q.shape[-2]
     scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, T, T)
-    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if causal:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 

@@ -20,7 +20,6 @@ import argparse
 import csv
 import datetime
 import importlib
-import math
 import sys
 import time
 
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtrain import flash_attention
+from flashtrain import attention_backends, flash_attention
 
 FIELDS = ["provider", "dtype", "D", "N", "B", "H", "H_kv", "causal", "mode", "ms", "tflops", "peak_gib",
           "status", "gpu", "torch", "triton", "date"]
@@ -42,16 +41,6 @@ def attention_flops(batch, heads, seq, head_dim, causal, mode):
     flops = 4 * batch * heads * seq * seq * head_dim
     flops = flops / 2 if causal else flops
     return flops * 2.5 if mode == "bwd" else flops
-
-
-def eager_attention(q, k, v, causal):
-    """Plain PyTorch: the (N, N) score matrix in memory, as a model without a fused kernel computes it."""
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, N, N)
-    if causal:
-        n = q.shape[-2]
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 _flex_cache: dict = {}
@@ -71,7 +60,7 @@ def make_provider(name, causal, seq, gqa):
     if name == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     if name == "eager":
-        return lambda q, k, v: eager_attention(q, k, v, causal)
+        return lambda q, k, v: attention_backends.eager(q, k, v, causal)
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         if "fn" not in _flex_cache:

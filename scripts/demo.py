@@ -10,7 +10,6 @@ On a CPU-only machine: the same kernels through Triton's interpreter on a tiny p
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 
@@ -20,15 +19,9 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU runs the interpreter
 
-from flashtrain import flash_attention  # noqa: E402
+from flashtrain import attention_backends, flash_attention  # noqa: E402
 from flashtrain.reference import attention_ref  # noqa: E402
 from flashtrain.testing import rel_error  # noqa: E402
-
-
-def eager(q, k, v):
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, N, N): the matrix flash avoids
-    mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), -1).to(q.dtype) @ v
 
 
 def run(name, fn, q, k, v, dout):
@@ -73,7 +66,7 @@ def main():
     providers = {"flashtrain": lambda q, k, v: flash_attention(q, k, v, causal=True)}
     if ON_GPU:
         providers["sdpa"] = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        providers["eager"] = eager
+        providers["eager"] = attention_backends.eager  # the (N, N) matrix flash avoids
     print(f"{'provider':12s} {'fwd+bwd ms':>11s} {'extra GiB':>10s} {'err out':>9s} {'err dq':>9s} "
           f"{'err dk':>9s} {'err dv':>9s}   (relative to float64)")
     for name, fn in providers.items():
