@@ -27,47 +27,61 @@ MAX_HEAD_DIM = 256
 MAX_GRID_DIM = 65535  # CUDA's limit on grid dims y and z, where heads and batch go
 
 
+# The dropout seed travels as a CPU int64 tensor, not an int: a traced int would be baked into a compiled
+# graph as a constant (the same mask every step), and reading a CPU tensor costs no device sync.
 @torch.library.custom_op("flashtrain::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    return attention_fwd(q, k, v, causal, scale)
+def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                      key_padding_mask: Tensor | None, dropout_p: float,
+                      seed: Tensor | None) -> tuple[Tensor, Tensor]:
+    return attention_fwd(q, k, v, causal, scale, key_padding_mask, dropout_p, _seed_value(seed))
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, key_padding_mask, dropout_p, seed):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("flashtrain::attention_bwd", mutates_args=())
 def _attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      dlse: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return attention_bwd(dout, q, k, v, out, lse, dlse, causal, scale)
+                      dlse: Tensor | None, causal: bool, scale: float, key_padding_mask: Tensor | None,
+                      dropout_p: float, seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_bwd(dout, q, k, v, out, lse, dlse, causal, scale, key_padding_mask, dropout_p,
+                         _seed_value(seed))
 
 
 @_attention_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, scale):
+def _(dout, q, k, v, out, lse, dlse, causal, scale, key_padding_mask, dropout_p, seed):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _seed_value(seed: Tensor | None) -> int:
+    return 0 if seed is None else int(seed)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, key_padding_mask, dropout_p, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed)
+    ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
 
 
 def _backward(ctx, dout, dlse2):
-    q, k, v, out, lse2 = ctx.saved_tensors
+    q, k, v, out, lse2, key_padding_mask, seed = ctx.saved_tensors
     # gradient of the log2-domain LSE -> gradient of the natural-log LSE, which the kernels take
     dlse = None if dlse2 is None else dlse2 * LOG2E
-    dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, key_padding_mask,
+                                   ctx.dropout_p, seed)
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd("flashtrain::attention_fwd", _backward, setup_context=_setup_context)
 
 
+SEED_BOUND = 2**31 - 1  # seeds stay int32-sized, so every seed runs the same compiled kernel
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
-                    return_lse: bool = False):
+                    key_padding_mask: Tensor | None = None, dropout_p: float = 0.0, return_lse: bool = False):
     """Exact softmax attention, computed in tiles by Triton kernels (no seq_q x seq_k matrix in memory).
 
     Args:
@@ -78,7 +92,17 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         causal: mask aligned bottom-right, as flash-attn: query i sees keys j <= i + seq_k - seq_q. A query
             that sees no key gets an output of zeros and an LSE of -inf.
         scale: softmax scale; defaults to 1/sqrt(head_dim).
-        return_lse: also return the natural-log logsumexp of each row's scaled scores.
+        key_padding_mask: optional (batch, seq_k), with ``nn.MultiheadAttention``'s meaning: bool, True where
+            a key is padding and must not be attended to; or float, added to the scaled scores of that key
+            (-inf = padding; no gradient flows to it). Applied inside the kernels as a per-key bias, so
+            nothing (seq_q, seq_k)-sized is built; combines with ``causal``. A query that sees no key gets
+            zeros (LSE -inf).
+        dropout_p: attention dropout probability in [0, 1): each attention probability is zeroed with
+            probability p and the kept ones are scaled by 1 / (1 - p), as ``nn.Dropout`` on the weights.
+            The mask comes from Philox inside the kernels, keyed by a seed drawn from torch's default
+            (CPU) generator, so ``torch.manual_seed`` makes it reproducible; the backward regenerates it.
+            Pass 0.0 in evaluation (this function does not look at any module's training flag).
+        return_lse: also return the natural-log logsumexp of each row's scaled scores (before dropout).
 
     dtypes: float16, bfloat16, float32 (full fp32 products unless ``torch.backends.cuda.matmul.allow_tf32``)
     and float64; q, k and v share one and the output has it. head_dim 1..256, any sequence lengths.
@@ -91,14 +115,37 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
     Returns:
         out (batch, heads_q, seq_q, head_dim), or (out, lse) with lse float32 (batch, heads_q, seq_q).
     """
-    scale = _check_inputs(q, k, v, causal, scale, return_lse)
-    out, lse2 = _attention_fwd_op(q, k, v, causal, scale)
+    scale = _check_inputs(q, k, v, causal, scale, return_lse, key_padding_mask, dropout_p)
+    seed = torch.randint(SEED_BOUND, (), dtype=torch.int64) if dropout_p > 0 else None
+    out, lse2 = _attention_fwd_op(q, k, v, causal, scale, key_padding_mask, float(dropout_p), seed)
     if return_lse:
         return out, (lse2 * LN2).float()  # natural log; the multiply runs in lse2's precision
     return out
 
 
-def _check_inputs(q, k, v, causal, scale, return_lse) -> float:
+def _check_padding_and_dropout(q, k, key_padding_mask, dropout_p) -> None:
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or not (key_padding_mask.dtype == torch.bool
+                                                             or key_padding_mask.is_floating_point()):
+            what = key_padding_mask.dtype if isinstance(key_padding_mask, Tensor) else type(key_padding_mask).__name__
+            raise TypeError("flash_attention: key_padding_mask must be a bool tensor (True = padding) or a float "
+                            f"tensor (added to the scores), got {what}")
+        if key_padding_mask.requires_grad:
+            raise ValueError("flash_attention: key_padding_mask requires grad, but no gradient flows to it; "
+                             "pass key_padding_mask.detach()")
+        expected = (k.shape[0], k.shape[2])
+        if tuple(key_padding_mask.shape) != expected:
+            raise ValueError(f"flash_attention: key_padding_mask has shape {tuple(key_padding_mask.shape)}; "
+                             f"expected (batch, seq_k) = {expected}")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"flash_attention: key_padding_mask is on {key_padding_mask.device}, q on {q.device}; "
+                             "expected one device")
+    if (not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool)
+            or not 0.0 <= dropout_p < 1.0):
+        raise ValueError(f"flash_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+
+
+def _check_inputs(q, k, v, causal, scale, return_lse, key_padding_mask, dropout_p) -> float:
     """Validate the arguments of ``flash_attention`` before any kernel runs; return the softmax scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -142,6 +189,7 @@ def _check_inputs(q, k, v, causal, scale, return_lse) -> float:
         scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
         raise ValueError(f"flash_attention: scale must be a finite real number or None, got {scale!r}")
+    _check_padding_and_dropout(q, k, key_padding_mask, dropout_p)
     if q.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("flash_attention: q, k, v are CPU tensors, which run only through Triton's "
                            "interpreter; set TRITON_INTERPRET=1 in the environment before triton is "

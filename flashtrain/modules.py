@@ -6,14 +6,18 @@ ways and ``swap_attention`` can change a module's class in place (weights, devic
 hooks and training mode untouched).
 
 Forward runs the flash kernels for: no mask; a causal ``attn_mask`` passed with ``is_causal=True`` (query
-and key lengths equal, as PyTorch's hint requires); a boolean ``key_padding_mask`` without a causal mask
-(each batch element's unpadded keys are gathered and attended to in their own launch: exact, no (L, S)
-tensor, one launch per element); ``add_bias_kv`` / ``add_zero_attn``; kdim/vdim; batched and unbatched
-inputs. Everything else takes PyTorch's own exact implementation (``nn.MultiheadAttention.forward``):
+and key lengths equal, as PyTorch's hint requires); a ``key_padding_mask``, bool or float (applied inside
+the kernels as a per-key bias, alone or with the causal mask; no (L, S) tensor is built; PyTorch's
+transformer layers pass it as float); attention dropout in training (Philox inside the kernels, seeded
+from torch's generator, so ``torch.manual_seed`` reproduces it); ``add_bias_kv`` / ``add_zero_attn``;
+kdim/vdim; batched and unbatched inputs. A query whose keys are all
+padded gets a zero attention output, as in PyTorch's SDPA-based path (its inference fast path gives NaN).
+
+Everything else takes PyTorch's own exact implementation (``nn.MultiheadAttention.forward``):
 ``need_weights=True`` (the weights are the N x N matrix: pass ``need_weights=False`` to keep the memory
-savings; a warning says so once), float or causal-combined key padding masks, a sequence whose keys are all
-padded (PyTorch returns NaN there), arbitrary ``attn_mask``, attention dropout in training, and CPU tensors
-without Triton's interpreter.
+savings; a warning says so once), a key padding mask that requires grad, arbitrary ``attn_mask`` (an
+additive bias or a non-causal pattern), causal masks combined with ``add_bias_kv`` / ``add_zero_attn``,
+``dropout=1.0``, and CPU tensors without Triton's interpreter.
 ``FlashMultiheadAttention.flash_skip_reason(...)`` tells which path a call takes.
 """
 
@@ -47,22 +51,18 @@ class FlashMultiheadAttention(nn.MultiheadAttention):
             return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                    attn_mask=attn_mask, average_attn_weights=average_attn_weights,
                                    is_causal=is_causal)
-        return self._flash_forward(query, key, value, causal=is_causal, key_padding_mask=key_padding_mask), None
+        dropout_p = self.dropout if self.training else 0.0
+        return self._flash_forward(query, key, value, is_causal, key_padding_mask, dropout_p), None
 
     def flash_skip_reason(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                           is_causal=False) -> str | None:
         """None when this call runs the flash kernels, else why it takes PyTorch's implementation."""
         if need_weights:
             return "need_weights=True"
-        if key_padding_mask is not None:
-            if key_padding_mask.dtype != torch.bool:
-                return "float key_padding_mask"
-            if is_causal or attn_mask is not None:
-                return "key_padding_mask with attn_mask"
-            if self.bias_k is None and not self.add_zero_attn and bool(key_padding_mask.all(dim=-1).any()):
-                return "a sequence whose keys are all padded"
-        if self.training and self.dropout > 0:
-            return "attention dropout in training"
+        if key_padding_mask is not None and key_padding_mask.requires_grad:
+            return "key_padding_mask requires grad"
+        if self.training and self.dropout >= 1.0:
+            return "dropout=1.0"
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             return "input rank (PyTorch reports the error)"
         if attn_mask is not None and not is_causal:
@@ -83,52 +83,48 @@ class FlashMultiheadAttention(nn.MultiheadAttention):
             return f"device {query.device}"
         return None
 
-    def _flash_forward(self, query, key, value, causal: bool, key_padding_mask=None):
+    def _flash_forward(self, query, key, value, causal: bool, key_padding_mask, dropout_p: float):
         batched = query.dim() == 3
+        self_attention = query is key and key is value and self._qkv_same_embed_dim
         if not batched:  # (L, E) -> (1, L, E)
             query, key, value = (x.unsqueeze(0) for x in (query, key, value))
         elif not self.batch_first:  # (L, B, E) -> (B, L, E) views
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
         B, L, E = query.shape
         H = self.num_heads
-        if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        if self_attention:  # one (E -> 3E) projection, as PyTorch does; q, k, v are strided views of it
+            q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)  # (B, L, E) each
         else:
-            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        b_q = b_k = b_v = None
-        if self.in_proj_bias is not None:
-            b_q, b_k, b_v = self.in_proj_bias.chunk(3)
-        q = F.linear(query, w_q, b_q)  # (B, L, E)
-        k = F.linear(key, w_k, b_k)  # (B, S, E)
-        v = F.linear(value, w_v, b_v)
+            if self._qkv_same_embed_dim:
+                w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+            else:
+                w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            b_q = b_k = b_v = None
+            if self.in_proj_bias is not None:
+                b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+            q = F.linear(query, w_q, b_q)  # (B, L, E)
+            k = F.linear(key, w_k, b_k)  # (B, S, E)
+            v = F.linear(value, w_v, b_v)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.view(B, -1)  # (B, S); unbatched masks come as (S,)
+        appended = 0
         if self.bias_k is not None:  # one learned key/value appended to every sequence
             k = torch.cat([k, self.bias_k.expand(B, 1, E)], dim=1)
             v = torch.cat([v, self.bias_v.expand(B, 1, E)], dim=1)
+            appended += 1
         if self.add_zero_attn:  # then one all-zero key/value
             k = torch.cat([k, k.new_zeros(B, 1, E)], dim=1)
             v = torch.cat([v, v.new_zeros(B, 1, E)], dim=1)
+            appended += 1
+        if key_padding_mask is not None and appended:  # appended keys are never padding, as in PyTorch
+            key_padding_mask = F.pad(key_padding_mask, (0, appended), value=False)
         q, k, v = (t.view(B, t.shape[1], H, E // H).transpose(1, 2) for t in (q, k, v))  # (B, H, *, hd)
-        if key_padding_mask is None:
-            out = flash_attention(q, k, v, causal=causal)  # (B, H, L, hd)
-        else:
-            out = self._attend_unpadded(q, k, v, key_padding_mask.view(B, -1))
+        out = flash_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                              dropout_p=dropout_p)  # (B, H, L, hd)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, E))
         if not batched:
             return out.squeeze(0)
         return out if self.batch_first else out.transpose(0, 1)
-
-
-    def _attend_unpadded(self, q, k, v, key_padding_mask):
-        """Attention of each batch element over its unpadded keys. key_padding_mask (B, S): True = padding;
-        keys appended by add_bias_kv / add_zero_attn (past S) are never padding, as in PyTorch."""
-        B, S = key_padding_mask.shape
-        keep = torch.ones(B, k.shape[2], dtype=torch.bool, device=k.device)
-        keep[:, :S] = ~key_padding_mask
-        outs = []
-        for b in range(B):
-            idx = keep[b].nonzero().squeeze(1)
-            outs.append(flash_attention(q[b:b + 1], k[b:b + 1, :, idx], v[b:b + 1, :, idx]))  # (1, H, L, hd)
-        return torch.cat(outs, dim=0)
 
 
 def _warn_need_weights():

@@ -18,10 +18,13 @@ def causal_mask(seq_q: int, seq_k: int, device=None) -> torch.Tensor:
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                  scale: float | None = None, upcast: bool = True):
+                  scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                  dropout_keep: torch.Tensor | None = None, dropout_p: float = 0.0, upcast: bool = True):
     """Reference attention with the semantics of ``flashtrain.flash_attention``. Returns (out, lse).
 
     q: (B, H_q, N_q, D); k, v: (B, H_kv, N_k, D) with H_q a multiple of H_kv (GQA by repetition here).
+    key_padding_mask: bool (B, N_k), True = padding, or float (B, N_k), added to the scores. dropout_keep: bool (B, H_q, N_q, N_k), the kept
+    probabilities (``flashtrain.kernels.dropout_keep_mask`` gives the kernels' mask), scaled by 1/(1-p).
     With ``upcast`` the math runs in float64 and the output is cast back to q's dtype; lse is returned
     in float64 (natural log, -inf for rows that see no key; their output rows are 0).
     """
@@ -35,8 +38,14 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, N_q, N_k)
     if causal:
         scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
+        scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    elif key_padding_mask is not None:
+        scores = scores + key_padding_mask[:, None, None, :].to(scores.dtype)
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, N_q); -inf where a row sees no key
     probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])  # rows with no key: exp(-inf) = 0
+    if dropout_keep is not None:
+        probs = probs * dropout_keep / (1.0 - dropout_p)
     out = torch.matmul(probs, v)
     return out.to(dtype), lse
 

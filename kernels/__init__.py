@@ -1,12 +1,13 @@
 """Triton kernels of flashtrain, installed as ``flashtrain.kernels``.
 
 One file per operator: ``attention_fwd`` (forward), ``attention_bwd`` (backward), ``configs`` (launch
-configurations). Each ``<op>_kernel`` is a ``triton.jit`` kernel; each ``<op>`` function next to it
-is the launcher that takes torch tensors. The plain PyTorch references live in ``flashtrain.reference``.
+configurations), ``dropout_mask`` (the dropout mask materialised, for tests). Each ``<op>_kernel`` is a
+``triton.jit`` kernel; each ``<op>`` function next to it is the launcher that takes torch tensors. The plain PyTorch references live in ``flashtrain.reference``.
 """
 
 from .attention_bwd import attention_bwd
 from .attention_fwd import attention_fwd, lse_dtype
 from .configs import INTERPRET
+from .dropout_mask import dropout_keep_mask
 
-__all__ = ["attention_fwd", "attention_bwd", "lse_dtype", "INTERPRET"]
+__all__ = ["attention_fwd", "attention_bwd", "lse_dtype", "dropout_keep_mask", "INTERPRET"]

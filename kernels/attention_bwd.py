@@ -12,6 +12,12 @@ Two main kernels, no atomics, so results are bitwise deterministic:
     its GQA group and over query blocks, so dK/dV of a KV head are summed over the group in registers.
   * ``attention_bwd_dq_kernel``: one program per (query block, query head); loops over key blocks.
 Causal blocks above the diagonal are skipped; only blocks that cross it pay for the elementwise mask.
+
+The key bias (key padding) is added to the recomputed scores as in the forward; rows whose LSE is -inf
+(no visible key) read it as +inf, so their P is exactly 0 instead of exp2(-inf + inf) = NaN. Attention dropout (see ``attention_fwd``) regenerates the forward's
+keep mask Z from the same Philox counters; with r = 1 / (1 - p) the products become
+    dV = (Z * P * r)^T dO,    dP = Z * r * (dO V^T),    dS = P * (dP - delta)
+and delta = rowsum(dO * O) still equals rowsum(P * dP), since O is the dropped-out product.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import LOG2E, _load_rows, _scale, precision_for, split_scale
+from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale, dropout_args, key_bias_arg,
+                            precision_for, split_scale)
 
 
 @triton.jit
@@ -55,11 +62,13 @@ def attention_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_n,
                               stride_qm, stride_dom, lo, hi, offs_m, offs_n, offs_d,
-                              seq_q, causal_offset, qk_scale, qk_scale_lo,
+                              seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                              seed, rng_base, dropout_p, keep_scale, keep_scale_lo, start_n,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                              MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                              HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate one query head's query blocks [lo, hi) into dK, dV of the resident key block.
 
     Works on transposed tiles, (BLOCK_N, BLOCK_M), so K and V stay the left operands. Query rows past
@@ -75,35 +84,46 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
         delta = tl.load(delta_base + rows, mask=rows < seq_q, other=0.0)
         # P^T, recomputed: (BLOCK_N, BLOCK_M)
         qk_t = _scale(tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=dk.dtype), qk_scale, qk_scale_lo)
+        if HAS_KEY_BIAS:
+            qk_t += bias_n[:, None]
+            lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
         p_t = tl.exp2(qk_t - lse2[None, :])
         if MASKED:
             p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION, out_dtype=dv.dtype)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=dk.dtype)
+        if DROPOUT:
+            keep_t = _dropout_keep(seed, rng_base, rows[None, :], offs_n[:, None], seq_k, dropout_p)
+            dv = tl.dot(tl.where(keep_t, _scale(p_t, keep_scale, keep_scale_lo), 0.0).to(do.dtype), do, dv,
+                        input_precision=PRECISION, out_dtype=dv.dtype)
+            dp_t = tl.where(keep_t, _scale(dp_t, keep_scale, keep_scale_lo), 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION, out_dtype=dv.dtype)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION, out_dtype=dk.dtype)
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, KB,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_kbb,
     seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
+    seed, dropout_p, keep_scale, keep_scale_lo,
     SEQ_BUCKET,  # autotune key only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK_N), H_kv, B).
 
     Q, DO: (B, H_q, seq_q, D); K, V, DK, DV: (B, H_kv, seq_k, D); LSE (log2 domain), DELTA: (B, H_q, seq_q)
-    contiguous. Scales come as ``split_scale`` pairs.
+    contiguous; KB, seed, dropout_p as in the forward. Scales come as ``split_scale`` pairs.
     """
     pid_n = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -123,6 +143,9 @@ def attention_bwd_dkdv_kernel(
                    offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+    bias_n = tl.zeros([BLOCK_N], dtype=acc_dtype)
+    if HAS_KEY_BIAS:
+        bias_n = _key_bias(KB + off_b.to(tl.int64) * stride_kbb, offs_n, seq_k)
 
     causal_offset = seq_k - seq_q
     end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
@@ -141,17 +164,21 @@ def attention_bwd_dkdv_kernel(
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
         do_base = (DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
                    + offs_d[None, :] * stride_dod)
-        row_base = (off_b.to(tl.int64) * heads_q + off_h) * seq_q
+        row_base = (off_b.to(tl.int64) * heads_q + off_h) * seq_q  # also the Philox base of this head
         # stage 1: query blocks crossing the diagonal, masked
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
-                                           stride_qm, stride_dom, lo, mid, offs_m, offs_n, offs_d,
-                                           seq_q, causal_offset, qk_scale, qk_scale_lo,
-                                           HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION)
-        # stage 2: query blocks that see the whole key block, no mask
+                                           bias_n, stride_qm, stride_dom, lo, mid, offs_m, offs_n, offs_d,
+                                           seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                           seed, row_base, dropout_p, keep_scale, keep_scale_lo, start_n,
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, PRECISION, HAS_KEY_BIAS,
+                                           DROPOUT)
+        # stage 2: query blocks that see the whole key block, no causal mask
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
-                                           stride_qm, stride_dom, mid, end, offs_m, offs_n, offs_d,
-                                           seq_q, causal_offset, qk_scale, qk_scale_lo,
-                                           HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION)
+                                           bias_n, stride_qm, stride_dom, mid, end, offs_m, offs_n, offs_d,
+                                           seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                           seed, row_base, dropout_p, keep_scale, keep_scale_lo, start_n,
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, PRECISION, HAS_KEY_BIAS,
+                                           DROPOUT)
 
     out_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = (DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
@@ -163,10 +190,12 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
                             lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                            seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                            HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate key blocks [lo, hi) into dQ of the resident query block. MASKED: diagonal and tail."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -174,6 +203,8 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, s
         k = _load_rows(k_base + cols[:, None] * stride_kn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         v = _load_rows(v_base + cols[:, None] * stride_vn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         qk = _scale(tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=dq.dtype), qk_scale, qk_scale_lo)
+        if HAS_KEY_BIAS:
+            qk += _key_bias(kb_base, cols, seq_k)[None, :]
         p = tl.exp2(qk - lse2[:, None])
         if MASKED:
             visible = cols[None, :] < seq_k
@@ -181,23 +212,28 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, s
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=dq.dtype)
+        if DROPOUT:
+            keep = _dropout_keep(seed, rng_base, offs_m[:, None], cols[None, :], seq_k, dropout_p)
+            dp = tl.where(keep, _scale(dp, keep_scale, keep_scale_lo), 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION, out_dtype=dq.dtype)
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, KB,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_kbb,
     seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
+    seed, dropout_p, keep_scale, keep_scale_lo,
     SEQ_BUCKET,  # autotune key only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B)."""
@@ -222,10 +258,14 @@ def attention_bwd_dq_kernel(
     row = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + offs_m
     # rows past seq_q: lse = +inf gives P = 0 (their dQ is not stored anyway)
     lse2 = tl.load(LSE + row, mask=offs_m < seq_q, other=float("inf"))
+    if HAS_KEY_BIAS:  # rows that see no key: +inf makes P exactly 0 (exp2(-inf - -inf) would be NaN)
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = tl.load(DELTA + row, mask=offs_m < seq_q, other=0.0)
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
+    kb_base = KB + off_b.to(tl.int64) * stride_kbb
+    rng_base = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q
 
     causal_offset = seq_k - seq_q
     if CAUSAL:
@@ -235,14 +275,18 @@ def attention_bwd_dq_kernel(
     else:
         hi = seq_k
         mid = (seq_k // BLOCK_N) * BLOCK_N
-    # stage 1: off-band, no mask
-    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+    # stage 1: off-band, no causal mask
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
                                  0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
-                                 HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION)
+                                 seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, CAUSAL, PRECISION, HAS_KEY_BIAS,
+                                 DROPOUT)
     # stage 2: diagonal blocks and the ragged tail of seq_k
-    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
                                  mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
-                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION)
+                                 seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, CAUSAL, PRECISION, HAS_KEY_BIAS,
+                                 DROPOUT)
 
     dq_ptrs = (DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
                + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
@@ -250,17 +294,20 @@ def attention_bwd_dq_kernel(
              mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
 
 
-_attention_bwd_dkdv_tuned = configs.autotuned(attention_bwd_dkdv_kernel, configs.DKDV_CANDIDATES)
-_attention_bwd_dq_tuned = configs.autotuned(attention_bwd_dq_kernel, configs.DQ_CANDIDATES)
+_attention_bwd_dkdv_tuned = configs.autotuned(attention_bwd_dkdv_kernel, configs.DKDV_CANDIDATES,
+                                               configs.DKDV_CANDIDATES_WIDE)
+_attention_bwd_dq_tuned = configs.autotuned(attention_bwd_dq_kernel, configs.DQ_CANDIDATES, configs.DQ_CANDIDATES_WIDE)
 
 PREPROCESS_BLOCK_M = 64
 
 
-def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
+def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
+                  key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0):
     """Launch the backward kernels. Returns (dq, dk, dv), each ``empty_like`` its input.
 
     do, out: (B, H_q, N_q, D); lse: (B, H_q, N_q), the log2-domain LSE from ``attention_fwd``; dlse: the
     gradient of the natural-log LSE, same shape, or None. Any strides for do, q, k, v, out.
+    key_padding_mask, dropout_p and seed: exactly as given to ``attention_fwd``.
     """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
@@ -277,15 +324,17 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
         *out.stride(), *do.stride(), seq_q,
         HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre_block, HAS_DLSE=dlse is not None)
 
-    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, PRECISION=precision_for(q.dtype))
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, PRECISION=precision_for(q.dtype),
+                HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0)
+    kb = key_bias_arg(key_padding_mask, q)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    scales = (*split_scale(scale), *split_scale(scale * LOG2E))
+    scalars = (seq_q, seq_k, *split_scale(scale), *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed))
     configs.launch("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
                    lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
-                   (q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
-                    seq_q, seq_k, *scales, configs.seq_bucket(seq_q)), q.dtype, max(seq_q, seq_k), **meta)
+                   (q, k, v, do, lse, delta, dk, dv, kb, *common, *dk.stride(), *dv.stride(), kb.stride(0),
+                    *scalars, configs.seq_bucket(seq_q)), q.dtype, max(seq_q, seq_k), **meta)
     configs.launch("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
                    lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
-                   (q, k, v, do, lse, delta, dq, *common, *dq.stride(),
-                    seq_q, seq_k, *scales, configs.seq_bucket(seq_k)), q.dtype, max(seq_q, seq_k), **meta)
+                   (q, k, v, do, lse, delta, dq, kb, *common, *dq.stride(), kb.stride(0),
+                    *scalars, configs.seq_bucket(seq_k)), q.dtype, max(seq_q, seq_k), **meta)
     return dq, dk, dv

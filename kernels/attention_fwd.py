@@ -10,6 +10,15 @@ Per query block the key range splits into
   stage 1 (off-band): keys every row of the block sees: no mask at all;
   stage 2 (on-band):  blocks crossing the diagonal and the ragged tail of seq_k: elementwise mask;
 and key blocks entirely above the diagonal are never visited.
+
+Two optional features, compiled in only when used (constexpr flags, so the plain kernel is unchanged):
+  * a per-key additive bias (HAS_KEY_BIAS), (B, seq_k): key padding masks, -inf at padded keys (or any
+    float key_padding_mask as nn.MultiheadAttention adds it to the scores); the key block's slice is loaded
+    beside K and added to its scores, in both stages. Nothing (seq_q, seq_k)-sized is built.
+  * attention dropout (DROPOUT): each probability P[b, h, i, j] is kept iff its Philox uniform under
+    ``seed`` (a fixed function of (b, h, i, j): see ``_dropout_keep``) is >= p, and kept ones are scaled by
+    1 / (1 - p) (applied once, to the output). The row sums and the LSE are of the undropped P, so the
+    backward regenerates the same mask from (seed, counter) and needs no stored bits.
 """
 
 from __future__ import annotations
@@ -53,31 +62,67 @@ def _scale(x, scale, scale_lo):
 
 
 @triton.jit
-def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+def _key_bias(kb_base, cols, seq_k):
+    """Log2-domain bias of keys ``cols`` (0 past seq_k, which the caller masks). kb_base: this batch row."""
+    return tl.load(kb_base + cols, mask=cols < seq_k, other=0.0)
+
+
+@triton.jit
+def _dropout_keep(seed, rng_base, rows, cols, seq_k, dropout_p):
+    """Keep mask of attention dropout for the tile (rows x cols), which may come in either orientation
+    (rows[:, None], cols[None, :] or transposed). rng_base = (b * H_q + h) * seq_q, int64: the Philox
+    counter of element (i, j) is (rng_base + i) * seq_k + j, the same in every kernel."""
+    return tl.rand(seed, (rng_base + rows) * seq_k + cols) >= dropout_p
+
+
+@triton.jit
+def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
                          lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold the key blocks [lo, hi) into the running (acc, l_i, m_i). MASKED selects stage 2."""
+                         seed, rng_base, dropout_p,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                         PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                         SCALE_EARLY: tl.constexpr):
+    """Fold the key blocks [lo, hi) into the running (acc, l_i, m_i). MASKED selects stage 2.
+
+    SCALE_EARLY scales the scores right after QK^T (fp64, whose scale has two parts; a key bias, which adds to
+    scaled scores; a scale <= 0, which does not commute with max); otherwise the scale is folded into the
+    exponent's FMA.
+    """
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = _load_rows(k_base + cols[:, None] * stride_kn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        # scores, log2 domain: (BLOCK_M, BLOCK_N)
-        qk = _scale(tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=acc.dtype), qk_scale, qk_scale_lo)
+        # scores: (BLOCK_M, BLOCK_N); log2 domain once scaled
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=acc.dtype)
+        if SCALE_EARLY:
+            qk = _scale(qk, qk_scale, qk_scale_lo)
+            if HAS_KEY_BIAS:
+                qk += _key_bias(kb_base, cols, seq_k)[None, :]
         if MASKED:
             visible = cols[None, :] < seq_k
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
             qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if SCALE_EARLY:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+        else:  # scale > 0 commutes with max: BLOCK_M multiplies here instead of BLOCK_M * BLOCK_N
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         if MASKED:
             # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        elif HAS_KEY_BIAS:
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new_safe = m_new
-        p = tl.exp2(qk - m_new_safe[:, None])
+        if SCALE_EARLY:
+            p = tl.exp2(qk - m_new_safe[:, None])
+        else:
+            p = tl.exp2(qk * qk_scale - m_new_safe[:, None])  # scale and shift in one FMA per score
         alpha = tl.exp2(m_i - m_new_safe)  # rescales what was accumulated under the old max
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the undropped row sum: dropout does not renormalise
+        if DROPOUT:
+            p = tl.where(_dropout_keep(seed, rng_base, offs_m[:, None], cols[None, :], seq_k, dropout_p), p, 0.0)
         v = _load_rows(v_base + cols[:, None] * stride_vn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION,
                      out_dtype=acc.dtype)
@@ -85,25 +130,31 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def attention_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, KB,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
+    stride_kbb,
     seq_q, seq_k, qk_scale, qk_scale_lo,
+    seed, dropout_p, keep_scale, keep_scale_lo,
     SEQ_BUCKET,  # autotune key only
     GROUP: tl.constexpr,  # query heads per KV head (GQA); 1 for plain multi-head attention
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    SCALE_EARLY: tl.constexpr,  # fp64, HAS_KEY_BIAS or scale <= 0: see _attention_fwd_inner
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B).
 
     Q, O: (B, H_q, seq_q, HEAD_DIM); K, V: (B, H_q // GROUP, seq_k, HEAD_DIM); any strides.
     LSE: (B, H_q, seq_q) contiguous, log2-domain logsumexp of the scaled scores (-inf: row sees no key).
-    (qk_scale, qk_scale_lo) = split_scale(softmax scale * log2(e)).
+    KB: (B, seq_k) log2-domain key bias (-inf = padding), unit stride along keys, the accumulator's dtype
+    (read only if HAS_KEY_BIAS).
+    (qk_scale, qk_scale_lo) = split_scale(softmax scale * log2(e)); with DROPOUT, (keep_scale,
+    keep_scale_lo) = split_scale(1 / (1 - dropout_p)) and ``seed`` keys the Philox stream.
     """
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -129,6 +180,9 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=acc_dtype)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
 
+    kb_base = KB + off_b.to(tl.int64) * stride_kbb
+    rng_base = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q
+
     causal_offset = seq_k - seq_q
     if CAUSAL:
         # keys seen by the block's last row: j < start_m + BLOCK_M + causal_offset
@@ -140,20 +194,24 @@ def attention_fwd_kernel(
         hi = seq_k
         mid = (seq_k // BLOCK_N) * BLOCK_N
 
-    # stage 1: off-band, no mask
-    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+    # stage 1: off-band, no causal mask
+    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
                                          0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset,
-                                         qk_scale, qk_scale_lo,
-                                         HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION)
+                                         qk_scale, qk_scale_lo, seed, rng_base, dropout_p,
+                                         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, CAUSAL, PRECISION,
+                                         HAS_KEY_BIAS, DROPOUT, SCALE_EARLY)
     # stage 2: blocks crossing the diagonal, and the ragged tail of seq_k
-    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+    acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
                                          mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset,
-                                         qk_scale, qk_scale_lo,
-                                         HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION)
+                                         qk_scale, qk_scale_lo, seed, rng_base, dropout_p,
+                                         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, CAUSAL, PRECISION,
+                                         HAS_KEY_BIAS, DROPOUT, SCALE_EARLY)
 
     # epilogue: one division by the row sum; rows that saw no key have acc = 0, l = 0 -> output 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if DROPOUT:
+        out = _scale(out, keep_scale, keep_scale_lo)  # 1 / (1 - p) for the kept probabilities
     # kept in the log2 domain: the backward needs it there, and a float literal (ln 2) would be fp32
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
     row_ok = offs_m < seq_q
@@ -164,7 +222,7 @@ def attention_fwd_kernel(
     tl.store(lse_ptrs, lse.to(LSE.dtype.element_ty), mask=row_ok)
 
 
-_attention_fwd_tuned = configs.autotuned(attention_fwd_kernel, configs.FWD_CANDIDATES)
+_attention_fwd_tuned = configs.autotuned(attention_fwd_kernel, configs.FWD_CANDIDATES, configs.FWD_CANDIDATES_WIDE)
 
 
 def precision_for(dtype: torch.dtype) -> str:
@@ -174,10 +232,14 @@ def precision_for(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0):
     """Launch the forward kernel. Returns (out, lse).
 
     q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), any strides, validated by the caller.
+    key_padding_mask: None, bool (B, N_k) with True = padding, or float (B, N_k) added to the scaled scores
+    (``flash_attention``'s semantics). dropout_p in [0, 1), with the Philox ``seed``
+    (an int in [0, 2**31): one argument type, so one compiled kernel).
     out: like q (same dtype, ``empty_like`` layout); lse: (B, H_q, N_q), the log2-domain LSE
     (log2 of the row sum of exp(scores)), float32 (float64 for fp64 inputs).
     """
@@ -193,12 +255,33 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     def grid(meta):
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
 
-    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            seq_q, seq_k, *split_scale(scale * LOG2E), configs.seq_bucket(seq_k))
+    kb = key_bias_arg(key_padding_mask, q)
+    args = (q, k, v, out, lse, kb, *q.stride(), *k.stride(), *v.stride(), *out.stride(), kb.stride(0),
+            seq_q, seq_k, *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed), configs.seq_bucket(seq_k))
     configs.launch("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, q.dtype, max(seq_q, seq_k),
                    GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
-                   CAUSAL=causal, PRECISION=precision_for(q.dtype))
+                   CAUSAL=causal, PRECISION=precision_for(q.dtype),
+                   HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0,
+                   SCALE_EARLY=q.dtype == torch.float64 or key_padding_mask is not None or scale <= 0)
     return out, lse
+
+
+def key_bias_arg(key_padding_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The KB kernel argument: the key padding mask as a contiguous log2-domain bias (B, N_k) in the
+    accumulator's dtype (-inf at True entries of a bool mask; a float mask times log2(e)), or a 1-element
+    placeholder (never read) when there is none. O(B * N_k) work on the host side of the launch."""
+    dtype = lse_dtype(like.dtype)
+    if key_padding_mask is None:
+        return like.new_zeros((1, 1), dtype=dtype)
+    if key_padding_mask.dtype == torch.bool:
+        bias = torch.zeros(key_padding_mask.shape, dtype=dtype, device=like.device)
+        return bias.masked_fill_(key_padding_mask, float("-inf"))
+    return (key_padding_mask.to(dtype) * LOG2E).contiguous()
+
+
+def dropout_args(dropout_p: float, seed: int) -> tuple:
+    """(seed, p, keep_scale, keep_scale_lo) kernel arguments; 1 / (1 - p) as a ``split_scale`` pair."""
+    return (seed, dropout_p, *split_scale(1.0 / (1.0 - dropout_p)))
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -69,34 +69,66 @@ def _configs(candidates):
     ]
 
 
-# Candidates (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward: query tile x key tile.
+# Candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), one list for head_dim <= 128 and one for wider heads
+# (256), whose tiles hold 2x the bytes per row: the narrow lists spill registers there (dK/dV at D=256 ran at
+# ~40% of SDPA flash with them; benchmarks/NOTES.md).
+# Forward: query tile x key tile.
 FWD_CANDIDATES = _configs([
     (128, 64, 4, 3),
     (128, 64, 8, 3),
     (128, 128, 8, 2),
     (64, 64, 4, 2),
 ])
-# dK/dV: key tile (BLOCK_N) outer and large, query tile streamed.
+FWD_CANDIDATES_WIDE = _configs([
+    (64, 64, 4, 2),
+    (64, 32, 4, 2),
+    (128, 32, 8, 2),
+    (128, 64, 8, 1),
+])
+# dK/dV: key tile (BLOCK_N) outer and large, query tile streamed. It keeps K, V (input dtype) and dK, dV (fp32)
+# of BLOCK_N rows resident: BLOCK_N * D * 12 bytes, 96 KB at BLOCK_N = 32, D = 256.
 DKDV_CANDIDATES = _configs([
     (32, 128, 4, 3),
     (32, 128, 8, 3),
     (64, 128, 8, 2),
     (32, 64, 4, 2),
 ])
-# dQ: query tile outer and large, key tile streamed.
+DKDV_CANDIDATES_WIDE = _configs([
+    (32, 32, 4, 2),
+    (32, 32, 8, 2),
+    (64, 32, 8, 2),
+    (16, 64, 8, 2),
+])
+# dQ: query tile outer and large, key tile streamed; keeps Q, dO and dQ of BLOCK_M rows resident.
 DQ_CANDIDATES = _configs([
     (128, 32, 4, 3),
     (128, 32, 8, 3),
     (128, 64, 8, 2),
     (64, 32, 4, 2),
 ])
+DQ_CANDIDATES_WIDE = _configs([
+    (64, 32, 8, 2),
+    (32, 32, 4, 2),
+    (32, 64, 4, 2),
+    (64, 16, 4, 2),
+])
+WIDE_HEAD_DIM = 128  # head_dim above this takes the _WIDE lists
 
-TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "PRECISION"]  # the autotuner adds the tensors' dtypes
+# the autotuner adds the tensors' dtypes; the key-bias / dropout variants are tuned apart (more registers)
+TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "PRECISION", "HAS_KEY_BIAS", "DROPOUT"]
 
 
-def autotuned(kernel, candidates):
-    """``kernel`` wrapped in triton.autotune; tuning results are cached on disk, so they survive restarts."""
-    return triton.autotune(configs=candidates, key=TUNE_KEY, cache_results=True)(kernel)
+def autotuned(kernel, candidates, wide_candidates):
+    """``kernel`` wrapped in triton.autotune over both lists, pruned to the one for the launch's head_dim;
+    tuning results are cached on disk, so they survive restarts."""
+    wide_ids = {id(c) for c in wide_candidates}
+
+    def for_head_dim(configs, named_args, **meta):
+        wide = meta["HEAD_DIM"] > WIDE_HEAD_DIM
+        return [c for c in configs if (id(c) in wide_ids) == wide]
+
+    return triton.autotune(configs=[*candidates, *wide_candidates], key=TUNE_KEY, cache_results=True,
+                           prune_configs_by={"early_config_prune": for_head_dim})(kernel)
 
 
 _forced: dict[str, dict] = {}

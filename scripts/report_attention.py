@@ -1,7 +1,11 @@
-"""Tables and a plot from a bench_attention.py CSV (runs anywhere, no GPU needed).
+"""Tables and a plot from bench_attention.py CSVs (runs anywhere, no GPU needed).
 
     python scripts/report_attention.py benchmarks/results/attention_h200_2026-11-29.csv \
         --plot benchmarks/attention_h200.png --readme README.md
+
+Several CSVs may be given, oldest first: for each measurement (provider, shape, mode) the last file that has
+it wins, so a partial re-run (e.g. ``--main-grid-only``) updates the points it measured and keeps the rest;
+the caption names every file and what it contributed.
 
 Prints markdown tables; with --readme, replaces the text between the README's
 ``<!-- attention-benchmark:start -->`` and ``<!-- attention-benchmark:end -->`` markers.
@@ -19,10 +23,32 @@ MEMORY_PROVIDERS = ["flashtrain", "sdpa", "eager"]
 START, END = "<!-- attention-benchmark:start -->", "<!-- attention-benchmark:end -->"
 
 
-def load(path):
-    df = pd.read_csv(path)
-    df["causal"] = df["causal"].astype(str) == "True"
-    return df
+KEY = ["provider", "dtype", "D", "N", "B", "H", "H_kv", "causal", "mode"]
+
+
+def load(paths):
+    """Rows of all CSVs, the last file's row winning per KEY; column ``source`` names the file."""
+    frames = []
+    for path in paths:
+        df = pd.read_csv(path)
+        df["causal"] = df["causal"].astype(str) == "True"
+        df["source"] = path
+        frames.append(df)
+    return pd.concat(frames).drop_duplicates(KEY, keep="last").reset_index(drop=True)
+
+
+def provenance(df):
+    """'file (what it holds), ...' for the caption."""
+    parts = []
+    for path, rows in df.groupby("source", sort=False):
+        what = []
+        if rows["mode"].isin(["fwd", "bwd"]).any():
+            what.append("speed")
+        if (rows["mode"] == "fwd+bwd").any():
+            what.append("memory")
+        dates = ", ".join(sorted(set(rows["date"])))
+        parts.append(f"[`{path}`]({path}) ({' and '.join(what)}, {dates})")
+    return "; ".join(parts)
 
 
 def cell(series):
@@ -112,14 +138,13 @@ def plot(df, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("csv")
+    parser.add_argument("csv", nargs="+", help="bench_attention CSVs, oldest first")
     parser.add_argument("--plot", help="write a PNG here")
     parser.add_argument("--readme", help="refresh this README's benchmark section")
     args = parser.parse_args(argv)
     df = load(args.csv)
     first = df.iloc[0]
-    text = (f"{first.gpu}, torch {first.torch}, triton {first.triton}, {first.date}; raw rows: "
-            f"[`{args.csv}`]({args.csv}). TFLOP/s, forward / backward (forward FLOPs 4*B*H*N*N*D, half when "
+    text = (f"{first.gpu}, torch {first.torch}, triton {first.triton}; raw rows: {provenance(df)}. TFLOP/s, forward / backward (forward FLOPs 4*B*H*N*N*D, half when "
             "causal; backward 2.5x), medians of `triton.testing.do_bench`. Flex was timed at N = 4k and 16k "
             "only (it recompiles per shape). `RuntimeError`: SDPA's efficient backend needs as many KV heads "
             "as query heads (no GQA).\n\n" + speed_table(df)

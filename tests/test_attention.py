@@ -139,6 +139,8 @@ def test_scale(device):
     q, k, v = make_qkv((1, 2, 2, 17, 23, 24), torch.float64, device, requires_grad=True)
     check_forward(q, k, v, causal=True, scale=0.3)
     check_backward(q, k, v, causal=False, scale=0.3)
+    for scale in (-0.4, 0.0):  # scales that do not commute with the row max
+        check_forward(q.detach().float(), k.detach().float(), v.detach().float(), causal=True, scale=scale)
     # default is 1/sqrt(head_dim)
     assert torch.equal(flash_attention(q, k, v), flash_attention(q, k, v, scale=1 / math.sqrt(24)))
 

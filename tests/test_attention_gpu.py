@@ -84,17 +84,74 @@ def test_fp64_is_exact():
                                     fast_mode=True)
 
 
+CANDIDATE_SETS = {  # head_dim -> the candidate lists the autotuner chooses from at that head_dim
+    40: (configs.FWD_CANDIDATES, configs.DKDV_CANDIDATES, configs.DQ_CANDIDATES),
+    256: (configs.FWD_CANDIDATES_WIDE, configs.DKDV_CANDIDATES_WIDE, configs.DQ_CANDIDATES_WIDE),
+}
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", sorted(CANDIDATE_SETS))
 @pytest.mark.parametrize("index", range(len(configs.FWD_CANDIDATES)))
-def test_every_tuning_candidate_is_exact(index, causal):
+def test_every_tuning_candidate_is_exact(index, head_dim, causal):
     """Whatever config the autotuner picks, the result is right: each candidate forced in turn."""
-    q = randn(2, 4, 257, 40, dtype=torch.float16).requires_grad_()
-    k, v = (randn(2, 2, 300, 40, dtype=torch.float16).requires_grad_() for _ in range(2))
-    dout = randn(2, 4, 257, 40, dtype=torch.float16)
-    with configs.forced_configs(fwd=configs.FWD_CANDIDATES[index], dkdv=configs.DKDV_CANDIDATES[index],
-                                dq=configs.DQ_CANDIDATES[index]):
+    q = randn(2, 4, 257, head_dim, dtype=torch.float16).requires_grad_()
+    k, v = (randn(2, 2, 300, head_dim, dtype=torch.float16).requires_grad_() for _ in range(2))
+    dout = randn(2, 4, 257, head_dim, dtype=torch.float16)
+    fwd, dkdv, dq = CANDIDATE_SETS[head_dim]
+    with configs.forced_configs(fwd=fwd[index], dkdv=dkdv[index], dq=dq[index]):
         ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
     ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
+    out_tol, grad_tol = TOLERANCE[torch.float16]
+    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_key_padding_and_dropout(head_dim, causal):
+    """bf16 with a key padding mask and dropout in the kernels, against float64 with the kernels' mask."""
+    from flashtrain.attention import SEED_BOUND
+    from flashtrain.kernels import dropout_keep_mask
+
+    torch.manual_seed(head_dim)
+    batch, heads_q, heads_kv, seq, p = 2, 4, 2, 1000, 0.1
+    q = randn(batch, heads_q, seq, head_dim, dtype=torch.bfloat16)
+    k, v = (randn(batch, heads_kv, seq, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    dout = randn(batch, heads_q, seq, head_dim, dtype=torch.bfloat16)
+    kpm = torch.rand(batch, seq, device="cuda") < 0.2
+    kpm[1, 700:] = True
+    torch.manual_seed(1)
+    ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal, key_padding_mask=kpm,
+                                                             dropout_p=p), q, k, v, dout)
+    torch.manual_seed(1)
+    keep = dropout_keep_mask(int(torch.randint(SEED_BOUND, (), dtype=torch.int64)), batch, heads_q, seq, seq, p, "cuda")
+    ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal, key_padding_mask=kpm,
+                                                          dropout_keep=keep, dropout_p=p)[0], q, k, v, dout)
+    out_tol, grad_tol = TOLERANCE[torch.bfloat16]
+    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+
+
+@pytest.mark.parametrize("index", range(len(configs.FWD_CANDIDATES)))
+def test_every_tuning_candidate_with_padding_and_dropout(index):
+    """The key-bias and dropout variants (more registers) compile and are right under every candidate."""
+    from flashtrain.attention import SEED_BOUND
+    from flashtrain.kernels import dropout_keep_mask
+
+    q = randn(2, 4, 257, 128, dtype=torch.float16)
+    k, v = (randn(2, 2, 300, 128, dtype=torch.float16) for _ in range(2))
+    dout = randn(2, 4, 257, 128, dtype=torch.float16)
+    kpm = torch.rand(2, 300, device="cuda") < 0.3
+    with configs.forced_configs(fwd=configs.FWD_CANDIDATES[index], dkdv=configs.DKDV_CANDIDATES[index],
+                                dq=configs.DQ_CANDIDATES[index]):
+        torch.manual_seed(0)
+        ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=True, key_padding_mask=kpm,
+                                                                 dropout_p=0.2), q, k, v, dout)
+    torch.manual_seed(0)
+    keep = dropout_keep_mask(int(torch.randint(SEED_BOUND, (), dtype=torch.int64)), 2, 4, 257, 300, 0.2, "cuda")
+    ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=True, key_padding_mask=kpm,
+                                                          dropout_keep=keep, dropout_p=0.2)[0], q, k, v, dout)
     out_tol, grad_tol = TOLERANCE[torch.float16]
     for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)

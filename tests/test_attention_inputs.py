@@ -36,3 +36,20 @@ def test_mixed_devices():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="one device"):
         flash_attention(q, k.to("meta"), v)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"key_padding_mask": torch.zeros(1, 8, dtype=torch.int64)}, TypeError,
+     ["key_padding_mask must be a bool tensor", "torch.int64"]),
+    ({"key_padding_mask": torch.zeros(1, 8, requires_grad=True)}, ValueError, ["key_padding_mask requires grad"]),
+    ({"key_padding_mask": torch.zeros(1, 9, dtype=torch.bool)}, ValueError, ["(1, 9)", "(batch, seq_k) = (1, 8)"]),
+    ({"key_padding_mask": torch.zeros(2, 8, dtype=torch.bool)}, ValueError, ["(2, 8)", "(1, 8)"]),
+    ({"dropout_p": 1.0}, ValueError, ["dropout_p", "[0, 1)", "1.0"]),
+    ({"dropout_p": -0.1}, ValueError, ["dropout_p", "-0.1"]),
+    ({"dropout_p": True}, ValueError, ["dropout_p", "True"]),
+])
+def test_bad_padding_or_dropout(kwargs, error, words):
+    with pytest.raises(error) as info:
+        flash_attention(*qkv(), **kwargs)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"

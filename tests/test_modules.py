@@ -9,6 +9,8 @@ from torch import nn
 
 import flashtrain.modules as modules
 from flashtrain import FlashMultiheadAttention, swap_attention, unswap_attention
+from flashtrain.attention import SEED_BOUND
+from flashtrain.kernels import dropout_keep_mask
 
 E, H = 32, 4
 
@@ -85,14 +87,20 @@ def test_unbatched():
     compare(ref, flash, q, k, v)
 
 
+@pytest.mark.parametrize("mask_type", ["bool", "float-inf", "float-bias"])
 @pytest.mark.parametrize("extra", [{}, {"add_bias_kv": True}, {"add_zero_attn": True}], ids=["plain", "bias_kv", "zero_attn"])
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_key_padding_mask(batch_first, extra):
+def test_key_padding_mask(batch_first, extra, mask_type):
+    """Bool masks, float masks of 0 / -inf (what nn.TransformerEncoderLayer passes) and any float bias."""
     ref, flash = pair(batch_first=batch_first, **extra)
     q, k, v = inputs((2, 9, E) if batch_first else (9, 2, E), (2, 12, E) if batch_first else (12, 2, E))
     padding = torch.zeros(2, 12, dtype=torch.bool)
     padding[1, 8:] = True  # right padding
     padding[0, [0, 3, 4]] = True  # and holes anywhere
+    if mask_type == "float-inf":
+        padding = torch.zeros(2, 12, dtype=torch.float64).masked_fill(padding, float("-inf"))
+    elif mask_type == "float-bias":
+        padding = torch.randn(2, 12, dtype=torch.float64)
     compare(ref, flash, q, k, v, key_padding_mask=padding)
 
 
@@ -102,20 +110,34 @@ def test_key_padding_mask_unbatched():
     compare(ref, flash, q, k, v, key_padding_mask=torch.arange(10) >= 6)
 
 
-def test_fallbacks_are_exact():
-    """Calls the kernels do not cover yet take PyTorch's implementation: same results, weights included."""
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_causal_with_key_padding(batch_first):
+    ref, flash = pair(batch_first=batch_first)
+    q, _, _ = inputs((2, 15, E) if batch_first else (15, 2, E))
+    mask = torch.ones(15, 15, dtype=torch.bool).triu(1)  # bool like the padding mask (PyTorch warns on a mix)
+    padding = torch.zeros(2, 15, dtype=torch.bool)
+    padding[0, 11:] = True
+    padding[1, [2, 5]] = True
+    compare(ref, flash, q, q, q, attn_mask=mask, is_causal=True, key_padding_mask=padding)
+
+
+def test_sequence_with_all_keys_padded():
+    """Zero attention output for that sequence, as nn.MultiheadAttention's SDPA path (training mode) gives."""
     ref, flash = pair(batch_first=True)
     q, k, v = inputs((2, 9, E), (2, 12, E))
     padding = torch.zeros(2, 12, dtype=torch.bool)
-    padding[1, 8:] = True
-    compare(ref, flash, q, k, v, key_padding_mask=padding.to(torch.float64) * -1e9, expect_flash=False)
-    causal = nn.Transformer.generate_square_subsequent_mask(9, dtype=torch.float64)
-    q9, k9, v9 = inputs((2, 9, E))
-    compare(ref, flash, q9, k9, v9, key_padding_mask=padding[:, :9].to(torch.float64) * -1e9, attn_mask=causal,
-            is_causal=True, expect_flash=False)
-    all_padded = torch.zeros(2, 12, dtype=torch.bool)
-    all_padded[0] = True  # PyTorch returns NaN for that sequence; the kernels would return zeros
-    assert flash.flash_skip_reason(q, k, v, all_padded, need_weights=False) == "a sequence whose keys are all padded"
+    padding[0] = True
+    padding[1, 5:] = True
+    compare(ref, flash, q, k, v, key_padding_mask=padding)
+
+
+def test_fallbacks_are_exact():
+    """Calls the kernels do not cover take PyTorch's implementation: same results, weights included."""
+    ref, flash = pair(batch_first=True)
+    q, k, v = inputs((2, 9, E), (2, 12, E))
+    padding = torch.zeros(2, 12, dtype=torch.float64)
+    padding[1, 8:] = -1e9
+    compare(ref, flash, q, k, v, key_padding_mask=padding.requires_grad_(), expect_flash=False)
     bool_mask = torch.rand(9, 12) > 0.7
     bool_mask[:, 0] = False  # every query sees at least one key
     compare(ref, flash, q, k, v, attn_mask=bool_mask, expect_flash=False)
@@ -124,6 +146,10 @@ def test_fallbacks_are_exact():
         warnings.simplefilter("ignore")
         compare(ref, flash, q, k, v, need_weights=True, expect_flash=False)
         compare(ref, flash, q, k, v, need_weights=True, average_attn_weights=False, expect_flash=False)
+    ref, flash = pair(batch_first=True, add_bias_kv=True)
+    causal = nn.Transformer.generate_square_subsequent_mask(9, dtype=torch.float64)
+    q9, _, _ = inputs((2, 9, E))
+    compare(ref, flash, q9, q9, q9, attn_mask=causal, is_causal=True, expect_flash=False)
 
 
 def test_need_weights_warns_once(monkeypatch):
@@ -137,12 +163,59 @@ def test_need_weights_warns_once(monkeypatch):
         flash(q, q, q)
 
 
-def test_dropout_in_training_falls_back_and_eval_uses_kernels():
-    _, flash = pair(dropout=0.1)
+def test_dropout_matches_pytorch_under_the_same_mask(monkeypatch):
+    """Training-mode dropout runs in the kernels; with nn.MultiheadAttention made to drop exactly the
+    kernels' mask (its weights path calls F.dropout), outputs and all gradients agree."""
+    p = 0.3
+    ref, flash = pair(dropout=p, batch_first=True, add_bias_kv=True)
+    q, k, v = inputs((2, 9, E), (2, 12, E))
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, 7:] = True
+    assert flash.training and flash.flash_skip_reason(q, k, v, padding, need_weights=False) is None
+    torch.manual_seed(21)
+    out = flash(q, k, v, key_padding_mask=padding, need_weights=False)[0]
+    grads = torch.autograd.grad(out.square().sum(), [q, k, v, *flash.parameters()])
+    torch.manual_seed(21)  # the seed the kernels were given
+    keep = dropout_keep_mask(int(torch.randint(SEED_BOUND, (), dtype=torch.int64)), 2, H, 9, 13, p, "cpu")
+    monkeypatch.setattr(torch.nn.functional, "dropout", lambda x, p, **kw: x * keep.view(2 * H, 9, 13) / (1 - p))
+    out_ref = ref(q, k, v, key_padding_mask=padding, need_weights=True)[0]
+    grads_ref = torch.autograd.grad(out_ref.square().sum(), [q, k, v, *ref.parameters()])
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-10)
+    for g, r in zip(grads, grads_ref):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9)
+
+
+def test_dropout_distribution_and_reproducibility():
+    """Over many draws, the kernels' dropout and nn.MultiheadAttention's give outputs with the same mean
+    (the eval output) and the same variance; torch.manual_seed reproduces a draw, bit for bit."""
+    p, draws = 0.25, 150
+    ref, flash = pair(dropout=p, batch_first=True)
+    q = torch.randn(1, 6, E, dtype=torch.float64)
+    with torch.no_grad():
+        samples = {}
+        for name, module in (("ref", ref), ("flash", flash)):
+            torch.manual_seed(0)
+            samples[name] = torch.stack([module(q, q, q, need_weights=False)[0] for _ in range(draws)])
+        flash.eval()
+        expected = flash(q, q, q, need_weights=False)[0]
+        flash.train()
+        for x in samples.values():
+            stderr = x.std(0) / draws ** 0.5
+            assert ((x.mean(0) - expected).abs() < 5 * stderr + 1e-12).all()
+        var_ratio = samples["flash"].var(0).sum() / samples["ref"].var(0).sum()
+        assert 0.8 < var_ratio < 1.25, var_ratio
+        torch.manual_seed(5)
+        first = flash(q, q, q, need_weights=False)[0]
+        torch.manual_seed(5)
+        assert torch.equal(first, flash(q, q, q, need_weights=False)[0])
+        assert not torch.equal(first, flash(q, q, q, need_weights=False)[0])
+
+
+def test_eval_mode_has_no_dropout():
+    ref, flash = pair(dropout=0.5)
+    ref.eval(), flash.eval()
     q, _, _ = inputs((5, 2, E))
-    assert flash.flash_skip_reason(q, q, q, need_weights=False) == "attention dropout in training"
-    flash.eval()
-    assert flash.flash_skip_reason(q, q, q, need_weights=False) is None
+    compare(ref, flash, q, q, q)
 
 
 def test_swap_attention_on_transformer_encoder():

@@ -9,8 +9,10 @@ transformers treats every implementation whose name contains "flash" as a FlashA
 builds 2-D padding masks, and its ``modeling_flash_attention_utils._flash_attention_forward`` un-pads padded
 or packed batches into variable-length sequences and calls the kernel's ``flash_attn_func`` (fixed length)
 or ``flash_attn_varlen_func`` (variable length). This module supplies those two functions on top of
-``flash_attention``, so unpadded batches, padded batches (left or right) and packed sequences all run
-flashtrain's kernels, with GQA on the shared KV heads and flash-attn's bottom-right causal alignment.
+``flash_attention``, with GQA on the shared KV heads and flash-attn's bottom-right causal alignment.
+A padded batch (a 2-D mask) skips the un-padding: the mask goes to the kernels as ``key_padding_mask``, one
+launch for the whole batch (outputs at padded query positions are zeros or unused values, as the loss and
+generation ignore them). Attention dropout runs in the kernels.
 
 Two private transformers functions are involved, both checked by the tests:
   * ``_lazy_imports``, which loads a flash implementation and knows only the flash-attn packages and hub
@@ -36,18 +38,10 @@ from ..attention import flash_attention
 NAME = "flashtrain"
 
 
-def _check_no_dropout(dropout_p: float) -> None:
-    if dropout_p:
-        raise ValueError(f"attn_implementation='flashtrain': attention dropout (dropout_p={dropout_p}) is not "
-                         "supported yet; set the model's attention dropout to 0 (e.g. attention_dropout / "
-                         "attn_pdrop in its config) or use eval mode")
-
-
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False):
     """flash-attn's fixed-length API: q (B, L, H, D), k/v (B, S, H_kv, D) -> (B, L, H, D)."""
-    _check_no_dropout(dropout_p)
     out = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                          scale=softmax_scale)  # (B, H, L, D)
+                          scale=softmax_scale, dropout_p=dropout_p)  # (B, H, L, D)
     return out.transpose(1, 2)
 
 
@@ -58,14 +52,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 
     One kernel launch per sequence (each as a batch of one): exact, with a launch cost per sequence.
     """
-    _check_no_dropout(dropout_p)
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs = []
     for i in range(len(starts_q) - 1):
         qi, ki, vi = (t[a:b].transpose(0, 1).unsqueeze(0)  # (1, heads, len_i, D)
                       for t, a, b in ((q, starts_q[i], starts_q[i + 1]), (k, starts_k[i], starts_k[i + 1]),
                                       (v, starts_k[i], starts_k[i + 1])))
-        outs.append(flash_attention(qi, ki, vi, causal=causal, scale=softmax_scale)[0].transpose(0, 1))
+        outs.append(flash_attention(qi, ki, vi, causal=causal, scale=softmax_scale,
+                                    dropout_p=dropout_p)[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
 
 
@@ -80,6 +74,11 @@ def flashtrain_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
                          f"(sliding_window={sliding_window}); use 'sdpa' for this model")
     kwargs.pop("output_attentions", None)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is not None and attention_mask.dim() == 2 and not softcap:
+        # (B, S) with 1/True = token, 0/False = padding: straight to the kernels' key padding mask
+        out = flash_attention(query, key, value, causal=is_causal, scale=scaling,
+                              key_padding_mask=~attention_mask.bool(), dropout_p=dropout)  # (B, H, L, D)
+        return out.transpose(1, 2), None
     out = fa_utils._flash_attention_forward(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask,
         query_length=query.shape[2], is_causal=is_causal, dropout=dropout, softmax_scale=scaling, softcap=softcap,
