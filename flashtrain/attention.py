@@ -81,7 +81,8 @@ SEED_BOUND = 2**31 - 1  # seeds stay int32-sized, so every seed runs the same co
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
-                    key_padding_mask: Tensor | None = None, dropout_p: float = 0.0, return_lse: bool = False):
+                    key_padding_mask: Tensor | None = None, dropout_p: float = 0.0, return_lse: bool = False,
+                    fp8: str | None = None, hadamard: bool = True):
     """Exact softmax attention, computed in tiles by Triton kernels (no seq_q x seq_k matrix in memory).
 
     Args:
@@ -103,6 +104,14 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
             (CPU) generator, so ``torch.manual_seed`` makes it reproducible; the backward regenerates it.
             Pass 0.0 in evaluation (this function does not look at any module's training flag).
         return_lse: also return the natural-log logsumexp of each row's scaled scores (before dropout).
+        fp8: None (default: the 16/32/64-bit kernels), "forward" (the forward's two matmuls in FP8 e4m3 with
+            per-tile scales; the backward in the input precision from the saved inputs) or "full" (FP8 in the
+            backward too: not implemented yet, raises NotImplementedError). FP8 takes float16/bfloat16
+            (or float32) inputs and returns the input dtype; quantisation happens inside. Not combinable with
+            key_padding_mask or dropout yet. Numerics: ``flashtrain.fp8``.
+        hadamard: with fp8, rotate Q and K by a fixed random-sign Hadamard matrix before quantising
+            (incoherent processing: Q K^T is unchanged, outlier channels are spread out, the error drops).
+            On by default; ignored without fp8.
 
     dtypes: float16, bfloat16, float32 (full fp32 products unless ``torch.backends.cuda.matmul.allow_tf32``)
     and float64; q, k and v share one and the output has it. head_dim 1..256, any sequence lengths.
@@ -116,11 +125,36 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         out (batch, heads_q, seq_q, head_dim), or (out, lse) with lse float32 (batch, heads_q, seq_q).
     """
     scale = _check_inputs(q, k, v, causal, scale, return_lse, key_padding_mask, dropout_p)
-    seed = torch.randint(SEED_BOUND, (), dtype=torch.int64) if dropout_p > 0 else None
-    out, lse2 = _attention_fwd_op(q, k, v, causal, scale, key_padding_mask, float(dropout_p), seed)
+    if fp8 is not None or not isinstance(hadamard, bool):
+        _check_fp8(q, key_padding_mask, dropout_p, fp8, hadamard)
+    if fp8 is not None:
+        from .fp8 import fp8_attention  # imports this module: resolved at call time
+
+        out, lse2 = fp8_attention(q, k, v, causal, scale, fp8, hadamard)
+    else:
+        seed = torch.randint(SEED_BOUND, (), dtype=torch.int64) if dropout_p > 0 else None
+        out, lse2 = _attention_fwd_op(q, k, v, causal, scale, key_padding_mask, float(dropout_p), seed)
     if return_lse:
         return out, (lse2 * LN2).float()  # natural log; the multiply runs in lse2's precision
     return out
+
+
+def _check_fp8(q, key_padding_mask, dropout_p, fp8, hadamard) -> None:
+    if fp8 not in (None, "forward", "full"):
+        raise ValueError(f"flash_attention: fp8={fp8!r}; expected None, 'forward' or 'full'")
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"flash_attention: hadamard must be a bool, got {hadamard!r}")
+    if fp8 is None:
+        return
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"flash_attention: fp8={fp8!r} takes float16, bfloat16 or float32 inputs; got {q.dtype}")
+    if key_padding_mask is not None or dropout_p:
+        raise ValueError(f"flash_attention: fp8={fp8!r} does not support key_padding_mask or dropout_p yet; "
+                         "use fp8=None for them")
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
+        raise ValueError(f"flash_attention: fp8={fp8!r} needs FP8 tensor cores (compute capability 8.9+); "
+                         f"{torch.cuda.get_device_name(q.device)} has "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(q.device)))}")
 
 
 def _check_padding_and_dropout(q, k, key_padding_mask, dropout_p) -> None:

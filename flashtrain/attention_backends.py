@@ -1,11 +1,13 @@
 """Causal attention backends for the GPT: the `attn=` choice of the trainer.
 
-Each is ``attn(q, k, v) -> out`` on (B, nh, T, hs) tensors; ``conf/attn/*.yaml`` name them and ``get``
-looks them up.
+Each is ``attn(q, k, v) -> out`` on (B, nh, T, hs) tensors; ``conf/attn/*.yaml`` name them (with options,
+e.g. ``fp8: forward``) and ``get`` looks them up.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -17,6 +19,11 @@ from .attention import flash_attention
 def flash(q, k, v):
     """flashtrain's Triton kernels."""
     return flash_attention(q, k, v, causal=True)
+
+
+def flash_fp8(q, k, v, fp8: str = "forward"):
+    """flashtrain's FP8 path: "forward" (FP8 forward, 16-bit backward) or "full" (see flash_attention)."""
+    return flash_attention(q, k, v, causal=True, fp8=fp8)
 
 
 def sdpa(q, k, v):
@@ -34,11 +41,17 @@ def eager(q, k, v, causal: bool = True):
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-BACKENDS = {"flash": flash, "sdpa": sdpa, "eager": eager}
+BACKENDS = {"flash": flash, "flash_fp8": flash_fp8, "sdpa": sdpa, "eager": eager}
 
 
-def get(name: str):
-    """The backend called ``name``; a clear error for anything else."""
+def get(name: str, **options):
+    """The backend called ``name``, with ``options`` (its keyword arguments) bound; a clear error for an
+    unknown name or option."""
     if name not in BACKENDS:
         raise ValueError(f"attn={name!r} is not an attention backend; expected one of {sorted(BACKENDS)}")
-    return BACKENDS[name]
+    fn = BACKENDS[name]
+    accepted = list(inspect.signature(fn).parameters)[3:]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"attn={name!r} takes the options {accepted}; got unknown {unknown}")
+    return functools.partial(fn, **options) if options else fn

@@ -1,6 +1,7 @@
-"""FP8 attention building blocks: per-tile e4m3 quantisation and randomised Hadamard incoherent processing.
+"""FP8 attention: ``flash_attention(..., fp8="forward")``, and its building blocks (per-tile e4m3
+quantisation, randomised Hadamard incoherent processing).
 
-Numerics (the parts built so far; the FP8 attention kernels that use them come next):
+Numerics:
 
 * Format: e4m3 (``torch.float8_e4m3fn``): 4 exponent bits, 3 mantissa bits, largest finite value 448,
   relative rounding error at most 2^-4 for normal values, absolute spacing 2^-9 below 2^-6 (subnormals).
@@ -14,20 +15,38 @@ Numerics (the parts built so far; the FP8 attention kernels that use them come n
   = Q K^T in exact arithmetic; in FP8 it spreads outlier channels over all channels, so per-tile scales are
   set by typical values rather than by the outlier. Applied in O(d log d) by a fast Walsh-Hadamard
   transform kernel (``flashtrain.kernels.hadamard``); its gradient is the inverse transform.
-* P (the softmax numerator exp(S - rowmax), in [0, 1]) is planned to go to e4m3 with the fixed scale 1/448
-  before P V, with the row sum taken from the unrounded P. ``flashtrain.reference.fp8_attention_ref``
-  simulates the whole scheme in float64; benchmarks/NOTES.md has its error on FlashAttention-3's outlier
-  benchmark, which the kernels are to match.
+* Forward (``flashtrain.kernels.attention_fp8_fwd``): Q (rotated), K (rotated) and V are quantised per
+  tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is stored transposed (K-major,
+  the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T accumulates in fp32 and is
+  scaled once by q_scale * k_scale * softmax_scale * log2(e). The online softmax runs in fp32. P = exp2(S -
+  running max), in [0, 1], is rounded to e4m3 with the fixed scale 448 (1 -> 448) for P8 V8, whose fp32
+  product is scaled by v_scale / 448; the row sum is of the unrounded P. Output = acc / rowsum, cast to the
+  input dtype; the LSE (fp32) is saved.
+* ``fp8="forward"``: the backward is the 16-bit one, from the saved high-precision q, k, v, the FP8 forward's
+  output and its LSE. So the gradients are those of exact attention evaluated at an output and normaliser
+  carrying FP8 error (relative ~1e-2, see the tests), not the derivative of the FP8 computation.
+* ``flashtrain.reference.fp8_attention_ref`` simulates the scheme in float64 (with the global row max where
+  the kernel has the running one); the kernel's error against exact attention matches the simulation's
+  (tests/test_attention_fp8.py); benchmarks/NOTES.md has the simulated errors on FlashAttention-3's outlier
+  benchmark.
 """
 
 from __future__ import annotations
 
-import torch
+import functools
 
+import torch
+from torch import Tensor
+
+from .attention import _attention_bwd_op
+from .kernels.attention_fp8_fwd import attention_fp8_fwd
+from .kernels.attention_fwd import LOG2E
 from .kernels.fp8_quant import fp8_quantize
 from .kernels.hadamard import hadamard, padded_dim
 
-__all__ = ["fp8_quantize", "hadamard_transform", "random_signs", "padded_dim"]
+__all__ = ["fp8_quantize", "hadamard_transform", "random_signs", "padded_dim", "FP8_MODES"]
+
+FP8_MODES = (None, "forward", "full")
 
 
 def random_signs(head_dim: int, seed: int = 0, device=None) -> torch.Tensor:
@@ -54,3 +73,50 @@ class _HadamardTransform(torch.autograd.Function):
 def hadamard_transform(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """(..., head_dim) -> (..., padded_dim(head_dim)): (x * signs) @ H / sqrt(d'), differentiable in x."""
     return _HadamardTransform.apply(x, signs)
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_signs(head_dim: int, device: torch.device) -> Tensor:
+    """The fixed random signs of the incoherent-processing rotation (seed 0): one per (head_dim, device)."""
+    return random_signs(head_dim, seed=0, device=device)
+
+
+@torch.library.custom_op("flashtrain::attention_fp8_fwd", mutates_args=())
+def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                          rotate: bool) -> tuple[Tensor, Tensor]:
+    rotated_q = rotated_k = None
+    if rotate:  # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation
+        signs = _rotation_signs(q.shape[-1], q.device)
+        rotated_q, rotated_k = hadamard(q, signs), hadamard(k, signs)
+    return attention_fp8_fwd(q, k, v, causal, scale, rotated_q, rotated_k)
+
+
+@_attention_fp8_fwd_op.register_fake
+def _(q, k, v, causal, scale, rotate):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _backward(ctx, dout, dlse2):
+    """fp8="forward": the 16-bit backward kernels on the saved inputs (see the module docstring)."""
+    q, k, v, out, lse2 = ctx.saved_tensors
+    dlse = None if dlse2 is None else dlse2 * LOG2E
+    dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, None, 0.0, None)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("flashtrain::attention_fp8_fwd", _backward, setup_context=_setup_context)
+
+
+def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mode: str, hadamard: bool):
+    """The FP8 path of ``flash_attention`` (inputs already validated there). Returns (out, log2-domain LSE)."""
+    if mode == "full":
+        raise NotImplementedError("flash_attention: fp8='full' (FP8 matmuls in the backward too) is not "
+                                  "implemented yet; use fp8='forward' (FP8 forward, 16-bit backward)")
+    return _attention_fp8_fwd_op(q, k, v, causal, scale, hadamard)

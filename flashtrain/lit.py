@@ -20,13 +20,14 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
 
 
 class GPTModule(L.LightningModule):
-    """``model``: GPTConfig fields; ``attn``: a name from ``attention_backends``; ``optim``: AdamW settings
-    (lr, betas, weight_decay, warmup_steps, min_lr_ratio); ``compile``: wrap the GPT in torch.compile."""
+    """``model``: GPTConfig fields; ``attn``: a name from ``attention_backends`` and ``attn_options`` its options
+    (e.g. {"fp8": "forward"}); ``optim``: AdamW settings (lr, betas, weight_decay, warmup_steps,
+    min_lr_ratio); ``compile``: wrap the GPT in torch.compile."""
 
-    def __init__(self, model: dict, attn: str, optim: dict, compile: bool = False):
+    def __init__(self, model: dict, attn: str, optim: dict, compile: bool = False, attn_options: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
-        self.model = GPT(GPTConfig(**model), attention_backends.get(attn))
+        self.model = GPT(GPTConfig(**model), attention_backends.get(attn, **(attn_options or {})))
         self.forward_fn = torch.compile(self.model) if compile else self.model
 
     def flops_per_token(self) -> float:

@@ -116,6 +116,8 @@ def fp8_attention_ref(q, k, v, *, causal=False, scale=None, scheme="block+hadama
     s = q8 @ k8.transpose(-1, -2) * scale
     if causal:
         s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    p = torch.exp(s - s.amax(-1, keepdim=True))
+    row_max = s.amax(-1, keepdim=True)
+    p = torch.exp(s - row_max.masked_fill(torch.isneginf(row_max), 0.0))  # rows that see no key: p = 0
     p8 = _e4m3_round_trip(p, torch.tensor(1.0 / 448.0, dtype=torch.float64))
-    return (p8 @ v8) / p.sum(-1, keepdim=True)
+    row_sum = p.sum(-1, keepdim=True)
+    return (p8 @ v8) / row_sum.masked_fill(row_sum == 0, 1.0)  # and output 0

@@ -33,3 +33,10 @@ def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float) -> N
     assert torch.isfinite(x[finite]).all(), f"{name}: NaN or inf where the reference is finite"
     err = rel_error(x[finite], ref[finite])
     assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
+
+
+def outlier_data(shape, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
+    """FlashAttention-3's FP8 accuracy benchmark data: N(0, 1) with 0.1% of entries drawn from N(0, 100)."""
+    x = torch.randn(shape, generator=generator, dtype=torch.float64)
+    outliers = torch.rand(shape, generator=generator) < 1e-3
+    return torch.where(outliers, torch.randn(shape, generator=generator, dtype=torch.float64) * 10, x).to(dtype)

@@ -23,8 +23,9 @@ def build(cfg: DictConfig):
     datamodule = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     model_cfg["vocab_size"] = cfg.data.vocab_size  # the model's vocabulary follows the tokenizer
+    attn_options = {k: v for k, v in OmegaConf.to_container(cfg.attn, resolve=True).items() if k != "name"}
     module = GPTModule(model=model_cfg, attn=cfg.attn.name, optim=OmegaConf.to_container(cfg.optim, resolve=True),
-                       compile=cfg.compile)
+                       compile=cfg.compile, attn_options=attn_options)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)

@@ -62,6 +62,23 @@ def fixed_config(kernel: str, dtype_is_fp64: bool, block_d: int, seq_len: int) -
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
+# FP8 forward (BLOCK_M, BLOCK_N, num_warps, num_stages): fixed, because the quantisation tiles must equal the
+# kernel's tiles (one scale per tile it loads). The GPU entry is untuned so far (benchmarks/NOTES.md).
+FP8_FWD = (128, 64, 8, 2)
+INTERPRET_FP8_FWD = (32, 16, 4, 1)
+INTERPRET_LONG_FP8_FWD = (128, 64, 4, 1)
+
+
+def fp8_config(seq_len: int) -> dict:
+    """Launch parameters of the FP8 forward; ``seq_len`` (the longer of seq_q, seq_k) picks the
+    interpreter's tiles as for the 16-bit kernels."""
+    if INTERPRET:
+        block_m, block_n, warps, stages = INTERPRET_LONG_FP8_FWD if seq_len >= INTERPRET_LONG_SEQ else INTERPRET_FP8_FWD
+    else:
+        block_m, block_n, warps, stages = FP8_FWD
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+
 def _configs(candidates):
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)

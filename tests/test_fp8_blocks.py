@@ -70,15 +70,10 @@ def test_simulated_fp8_attention_error_ordering():
     """FlashAttention-3's accuracy benchmark (N(0, 1) with 0.1% outliers of std 10), simulated in float64:
     per-block scales beat one scale per tensor, and the Hadamard rotation beats both."""
     from flashtrain.reference import attention_ref, fp8_attention_ref
+    from flashtrain.testing import outlier_data
 
     gen = torch.Generator().manual_seed(0)
-
-    def data(shape):
-        x = torch.randn(shape, generator=gen, dtype=torch.float64)
-        outliers = torch.rand(shape, generator=gen) < 1e-3
-        return torch.where(outliers, torch.randn(shape, generator=gen, dtype=torch.float64) * 10, x)
-
-    q, k, v = (data((1, 2, 512, 64)) for _ in range(3))
+    q, k, v = (outlier_data((1, 2, 512, 64), gen) for _ in range(3))
     ref = attention_ref(q, k, v, causal=True)[0]
     rmse = {scheme: ((fp8_attention_ref(q, k, v, causal=True, scheme=scheme, signs=random_signs(64)) - ref) ** 2)
             .mean().sqrt().item() for scheme in ("tensor", "block", "block+hadamard")}

@@ -84,15 +84,23 @@ def test_experiment_composes(tmp_path):
 def test_all_attention_backends_give_the_same_initial_loss():
     losses = {}
     batch = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
-    for attn in ("flash", "sdpa", "eager"):
+    for attn in ("flash", "sdpa", "eager", "flash_fp8"):
         _, module, _ = build(config(f"attn={attn}", *SMALL, "output_dir=/tmp/unused", "logger=csv"))
         with torch.no_grad():
             losses[attn] = module(batch[:, :-1], batch[:, 1:])[1].item()
     assert losses["flash"] == pytest.approx(losses["eager"], rel=1e-5)
     assert losses["sdpa"] == pytest.approx(losses["eager"], rel=1e-5)
+    assert losses["flash_fp8"] == pytest.approx(losses["eager"], rel=1e-2)  # FP8 rounding, same model
 
 
-@pytest.mark.parametrize("attn", ["flash", "sdpa", "eager"])
+def test_flash_fp8_options(tmp_path):
+    _, module, _ = build(config("attn=flash_fp8", "attn.fp8=full", *SMALL, f"output_dir={tmp_path}"))
+    assert module.hparams.attn_options == {"fp8": "full"}
+    with pytest.raises(ValueError, match="unknown"):
+        build(config("attn=flash", "+attn.fp8=forward", *SMALL, f"output_dir={tmp_path}"))
+
+
+@pytest.mark.parametrize("attn", ["flash", "sdpa", "eager", "flash_fp8"])
 def test_a_few_training_steps(attn, tmp_path):
     train(config(f"attn={attn}", *SMALL, "trainer.max_steps=3", "logger=csv", f"output_dir={tmp_path}"))
     rows = read_metrics(tmp_path)

@@ -1,0 +1,181 @@
+"""FP8 (e4m3) attention forward: Q K^T and P V on FP8 operands with per-tile scales, fp32 softmax.
+
+Inputs arrive quantised (``fp8_quant``): Q in tiles of BLOCK_M rows, K and V in tiles of BLOCK_N rows, one
+fp32 scale per (batch, head, tile), so a program's Q tile and each K/V tile it loads have exactly one scale.
+V is stored transposed, (B, H_kv, D, seq_k) with seq_k contiguous: the K-major layout Hopper's FP8 tensor
+cores take for the right operand of P V.
+
+Per key block, in the log2 domain (log2(e) folded into the softmax scale, as in ``attention_fwd``):
+    S = (Q8 K8^T) * (q_scale * k_scale * softmax_scale * log2(e))     fp32 accumulate, one multiply
+    m = running row max;  P = exp2(S - m) in [0, 1]
+    P8 = round_e4m3(P * 448)                                          fixed scale: 1 maps to e4m3's 448
+    acc = acc * alpha + (P8 V8) * (v_scale / 448)
+    l = l * alpha + rowsum(P)                                         the row sum of the unrounded P
+and out = acc / l, LSE = m + log2(l) (saved for a backward). Causal key blocks above the diagonal are
+skipped, and only blocks that cross it are masked, as in the 16-bit kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .attention_fwd import LOG2E, lse_dtype
+from .fp8_quant import E4M3_MAX, _round_to_e4m3_grid, fp8_quantize
+
+
+@triton.jit
+def _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base, stride_kn, stride_vtn,
+                             lo, hi, offs_m, offs_n, offs_dk, offs_dv, seq_k, causal_offset, qk_scale,
+                             QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                             MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Fold key blocks [lo, hi) into (acc, l_i, m_i). MASKED: blocks crossing the diagonal or the seq_k tail."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        tile = start_n // BLOCK_N
+        if MASKED:
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_dk[None, :],
+                        mask=(cols[:, None] < seq_k) & (offs_dk[None, :] < QK_DIM), other=0.0)
+            vt = tl.load(vt_base + offs_dv[:, None] * stride_vtn + cols[None, :],
+                         mask=(offs_dv[:, None] < HEAD_DIM) & (cols[None, :] < seq_k), other=0.0)
+        else:
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_dk[None, :], mask=offs_dk[None, :] < QK_DIM,
+                        other=0.0)
+            vt = tl.load(vt_base + offs_dv[:, None] * stride_vtn + cols[None, :], mask=offs_dv[:, None] < HEAD_DIM,
+                         other=0.0)
+        # scores, log2 domain: (BLOCK_M, BLOCK_N); both tiles' scales and the softmax scale in one multiply
+        s = tl.dot(q, tl.trans(k)) * (q_scale * tl.load(ks_base + tile) * qk_scale)
+        if MASKED:
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:  # a row with no visible key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.exp2(s - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p8 = _round_to_e4m3_grid(p * 448.0).to(tl.float8e4nv)  # exact cast: the value is on the e4m3 grid
+        pv = tl.dot(p8, tl.trans(vt))  # (BLOCK_M, BLOCK_DV), fp32
+        acc = acc * alpha[:, None] + pv * (tl.load(vs_base + tile) / 448.0)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_fp8_fwd_kernel(
+    Q8, QS, K8, KS, VT8, VS, O, LSE,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vtb, stride_vth, stride_vtn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    seq_q, seq_k, qk_scale,
+    GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B).
+
+    Q8: (B, H_q, seq_q, QK_DIM) e4m3, unit stride on the last dim; QS: (B, H_q, cdiv(seq_q, BLOCK_M)) fp32.
+    K8: (B, H_kv, seq_k, QK_DIM) e4m3; KS, VS: (B, H_kv, cdiv(seq_k, BLOCK_N)) fp32.
+    VT8: (B, H_kv, HEAD_DIM, seq_k) e4m3 (V transposed, seq_k contiguous). QK_DIM may exceed HEAD_DIM (the
+    Hadamard rotation pads Q and K to a power of two). O: (B, H_q, seq_q, HEAD_DIM), any strides.
+    LSE: (B, H_q, seq_q) fp32, log2 domain. qk_scale = softmax scale * log2(e).
+    """
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    heads_q = tl.num_programs(1)
+    heads_kv = heads_q // GROUP
+
+    q = tl.load(Q8 + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+                + offs_m[:, None] * stride_qm + offs_dk[None, :],
+                mask=(offs_m[:, None] < seq_q) & (offs_dk[None, :] < QK_DIM), other=0.0)
+    q_scale = tl.load(QS + (off_b.to(tl.int64) * heads_q + off_h) * tl.num_programs(0) + pid_m)
+    k_base = K8 + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    vt_base = VT8 + off_b.to(tl.int64) * stride_vtb + off_hk.to(tl.int64) * stride_vth
+    tiles_k = tl.cdiv(seq_k, BLOCK_N)
+    ks_base = KS + (off_b.to(tl.int64) * heads_kv + off_hk) * tiles_k
+    vs_base = VS + (off_b.to(tl.int64) * heads_kv + off_hk) * tiles_k
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    causal_offset = seq_k - seq_q
+    if CAUSAL:
+        hi = tl.minimum(seq_k, start_m + BLOCK_M + causal_offset)
+        mid = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N, seq_k // BLOCK_N) * BLOCK_N
+    else:
+        hi = seq_k
+        mid = (seq_k // BLOCK_N) * BLOCK_N
+    # stage 1: off-band, no mask
+    acc, l_i, m_i = _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base,
+                                             stride_kn, stride_vtn, 0, mid, offs_m, offs_n, offs_dk, offs_dv,
+                                             seq_k, causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N,
+                                             False, CAUSAL)
+    # stage 2: blocks crossing the diagonal, and the ragged tail of seq_k
+    acc, l_i, m_i = _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base,
+                                             stride_kn, stride_vtn, mid, hi, offs_m, offs_n, offs_dk, offs_dv,
+                                             seq_k, causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N,
+                                             True, CAUSAL)
+
+    # epilogue: rows that saw no key have acc = 0, l = 0 -> output 0, LSE -inf
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    row_ok = offs_m < seq_q
+    tl.store(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
+             + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM))
+    tl.store(LSE + (off_b.to(tl.int64) * heads_q + off_h) * seq_q + offs_m, lse, mask=row_ok)
+
+
+def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotated_k=None):
+    """Quantise and launch. Returns (out, lse) like ``attention_fwd`` (out in q's dtype, LSE log2 fp32).
+
+    q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), float16/bfloat16, validated by the caller. ``rotated_q`` and
+    ``rotated_k`` (B, H, N, D') are Q and K after the Hadamard rotation (D' >= D), or None to quantise q and
+    k as they are; their product is what the scores are computed from, V is never rotated.
+    """
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_k = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, heads_q, seq_q), device=q.device, dtype=lse_dtype(q.dtype))
+    if out.numel() == 0:
+        return out, lse
+    if seq_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    cfg = configs.fp8_config(max(seq_q, seq_k))
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    qk_q = q if rotated_q is None else rotated_q
+    qk_k = k if rotated_k is None else rotated_k
+    q8, q_scales = fp8_quantize(qk_q, block_m)
+    k8, k_scales = fp8_quantize(qk_k, block_n)
+    v8, v_scales = fp8_quantize(v, block_n)
+    vt8 = v8.transpose(2, 3).contiguous()  # (B, H_kv, D, N_k): keys contiguous (K-major for P V)
+    qk_dim = q8.shape[3]
+    grid = (triton.cdiv(seq_q, block_m), heads_q, batch)
+    attention_fp8_fwd_kernel[grid](
+        q8, q_scales, k8, k_scales, vt8, v_scales, out, lse,
+        q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
+        vt8.stride(0), vt8.stride(1), vt8.stride(2), *out.stride(),
+        seq_q, seq_k, scale * LOG2E,
+        GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.block_d(qk_dim),
+        BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, **cfg)
+    return out, lse
+
+
+__all__ = ["attention_fp8_fwd", "attention_fp8_fwd_kernel", "E4M3_MAX"]
