@@ -22,7 +22,7 @@ def flash(q, k, v):
 
 
 def flash_fp8(q, k, v, fp8: str = "forward"):
-    """flashtrain's FP8 path: "forward" (FP8 forward, 16-bit backward) or "full" (see flash_attention)."""
+    """flashtrain's FP8 path: "forward" (FP8 forward, 16-bit backward) or "full" (FP8 backward too)."""
     return flash_attention(q, k, v, causal=True, fp8=fp8)
 
 

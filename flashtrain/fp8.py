@@ -25,6 +25,14 @@ Numerics:
 * ``fp8="forward"``: the backward is the 16-bit one, from the saved high-precision q, k, v, the FP8 forward's
   output and its LSE. So the gradients are those of exact attention evaluated at an output and normaliser
   carrying FP8 error (relative ~1e-2, see the tests), not the derivative of the FP8 computation.
+* ``fp8="full"`` (``flashtrain.kernels.attention_fp8_bwd``): Q, K (rotated again, in the input dtype), V and dO
+  are quantised per tile of one BLOCK (64 rows on the GPU); P is recomputed from the FP8 Q K^T and the
+  forward's LSE; dV = P8^T dO8 (P8 with the fixed scale 448), dP = dO8 V8^T, dS = P (dP - delta) in fp32
+  with delta = rowsum(dO * O) from the unrounded tensors, then dS is quantised per (BLOCK x BLOCK) tile
+  (amax / 448) for dQ = dS8 K8 and dK = dS8^T Q8, all accumulated in fp32. dQ and dK are rotated back by
+  the inverse Hadamard transform and cast to the input dtype. ``flashtrain.reference.fp8_attention_bwd_ref``
+  simulates it in float64; the kernels match it to 2e-3 (the fp16 rounding of the result), and exact
+  attention's gradients to 4-7% on the tests' shapes.
 * ``flashtrain.reference.fp8_attention_ref`` simulates the scheme in float64 (with the global row max where
   the kernel has the running one); the kernel's error against exact attention matches the simulation's
   (tests/test_attention_fp8.py); benchmarks/NOTES.md has the simulated errors on FlashAttention-3's outlier
@@ -39,6 +47,7 @@ import torch
 from torch import Tensor
 
 from .attention import _attention_bwd_op
+from .kernels.attention_fp8_bwd import attention_fp8_bwd
 from .kernels.attention_fp8_fwd import attention_fp8_fwd
 from .kernels.attention_fwd import LOG2E
 from .kernels.fp8_quant import fp8_quantize
@@ -82,8 +91,8 @@ def _rotation_signs(head_dim: int, device: torch.device) -> Tensor:
 
 
 @torch.library.custom_op("flashtrain::attention_fp8_fwd", mutates_args=())
-def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
-                          rotate: bool) -> tuple[Tensor, Tensor]:
+def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool,
+                          fp8_backward: bool) -> tuple[Tensor, Tensor]:
     rotated_q = rotated_k = None
     if rotate:  # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation
         signs = _rotation_signs(q.shape[-1], q.device)
@@ -92,23 +101,48 @@ def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: 
 
 
 @_attention_fp8_fwd_op.register_fake
-def _(q, k, v, causal, scale, rotate):
+def _(q, k, v, causal, scale, rotate, fp8_backward):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
+@torch.library.custom_op("flashtrain::attention_fp8_bwd", mutates_args=())
+def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          dlse: Tensor | None, causal: bool, scale: float,
+                          rotate: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py); dQ and dK are rotated back."""
+    if not rotate:
+        dq, dk, dv = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    signs = _rotation_signs(q.shape[-1], q.device)
+    dq_rot, dk_rot, dv = attention_fp8_bwd(dout, hadamard(q, signs), hadamard(k, signs), v, out, lse, dlse,
+                                           causal, scale)
+    # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), cut back to head_dim
+    dq = hadamard(dq_rot, signs, inverse=True, out_dim=q.shape[-1])
+    dk = hadamard(dk_rot, signs, inverse=True, out_dim=k.shape[-1])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_attention_fp8_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _ = inputs
+    q, k, v, causal, scale, rotate, fp8_backward = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.rotate, ctx.fp8_backward = causal, scale, rotate, fp8_backward
 
 
 def _backward(ctx, dout, dlse2):
-    """fp8="forward": the 16-bit backward kernels on the saved inputs (see the module docstring)."""
+    """fp8="forward": the 16-bit backward kernels on the saved inputs; fp8="full": the FP8 ones."""
     q, k, v, out, lse2 = ctx.saved_tensors
     dlse = None if dlse2 is None else dlse2 * LOG2E
-    dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, None, 0.0, None)
-    return dq, dk, dv, None, None, None
+    if ctx.fp8_backward:
+        dq, dk, dv = _attention_fp8_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate)
+    else:
+        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, None, 0.0, None)
+    return dq, dk, dv, None, None, None, None
 
 
 torch.library.register_autograd("flashtrain::attention_fp8_fwd", _backward, setup_context=_setup_context)
@@ -116,7 +150,4 @@ torch.library.register_autograd("flashtrain::attention_fp8_fwd", _backward, setu
 
 def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mode: str, hadamard: bool):
     """The FP8 path of ``flash_attention`` (inputs already validated there). Returns (out, log2-domain LSE)."""
-    if mode == "full":
-        raise NotImplementedError("flash_attention: fp8='full' (FP8 matmuls in the backward too) is not "
-                                  "implemented yet; use fp8='forward' (FP8 forward, 16-bit backward)")
-    return _attention_fp8_fwd_op(q, k, v, causal, scale, hadamard)
+    return _attention_fp8_fwd_op(q, k, v, causal, scale, hadamard, mode == "full")

@@ -121,3 +121,54 @@ def fp8_attention_ref(q, k, v, *, causal=False, scale=None, scheme="block+hadama
     p8 = _e4m3_round_trip(p, torch.tensor(1.0 / 448.0, dtype=torch.float64))
     row_sum = p.sum(-1, keepdim=True)
     return (p8 @ v8) / row_sum.masked_fill(row_sum == 0, 1.0)  # and output 0
+
+
+def _tile_quantize(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (..., M, N) rounded to e4m3 with one scale per (block x block) tile (amax / 448), in float64."""
+    m, n = x.shape[-2:]
+    pm, pn = -(-m // block) * block, -(-n // block) * block
+    padded = torch.nn.functional.pad(x, (0, pn - n, 0, pm - m))
+    tiles = padded.unflatten(-2, (pm // block, block)).unflatten(-1, (pn // block, block))  # (..., Tm, b, Tn, b)
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return _e4m3_round_trip(tiles, scale).flatten(-4, -3).flatten(-2, -1)[..., :m, :n]
+
+
+def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, causal=False, scale=None, block=64, signs=None):
+    """The FP8 backward (``fp8="full"``) simulated in float64, given the forward's ``out`` and natural-log
+    ``lse``: Q, K (rotated by ``signs`` if given, in their dtype), V and dO rounded to e4m3 per tile of ``block`` rows, P to
+    e4m3 with the fixed scale 1/448 for dV, dS per (block x block) tile for dQ and dK, delta from the
+    unrounded out and dout. Returns float64 (dq, dk, dv)."""
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if signs is not None:  # rotated, then rounded to the input dtype, as the kernels' inputs are
+        q, k = hadamard_ref(q, signs), hadamard_ref(k, signs)
+    q, k, v, out, dout = (t.double() for t in (q, k, v, out, dout))
+
+    def tiles_of_rows(t):
+        _, scales = fp8_quantize_ref(t, block)
+        return _e4m3_round_trip(t, scales.double().repeat_interleave(block, -1)[..., : t.shape[2], None])
+
+    q8, k8, v8, do8 = (tiles_of_rows(t) for t in (q, k, v, dout))
+    group = q.shape[1] // k.shape[1]
+    k8r, v8r = k8.repeat_interleave(group, 1), v8.repeat_interleave(group, 1)
+    s = q8 @ k8r.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    lse = lse.double()
+    p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), float("inf"))[..., None])  # no key: P = 0
+    p8 = _e4m3_round_trip(p, torch.tensor(1.0 / 448.0, dtype=torch.float64))
+    delta = (dout * out).sum(-1, keepdim=True)
+    ds = _tile_quantize(p * (do8 @ v8r.transpose(-1, -2) - delta), block)
+
+    def per_kv_head(t):  # (B, H_q, ...) -> (B, H_kv, ...): sum over each GQA group
+        return t.unflatten(1, (k.shape[1], group)).sum(2)
+
+    dv = per_kv_head(p8.transpose(-1, -2) @ do8)
+    dq = ds @ k8r * scale
+    dk = per_kv_head(ds.transpose(-1, -2) @ q8) * scale
+    if signs is not None:  # back from the rotated space: the inverse of x -> (x * signs) @ H / sqrt(d')
+        d = signs.numel()
+        h = hadamard_matrix(d, device=q.device) / math.sqrt(d)
+        dq, dk = (((g @ h) * signs.double())[..., :head_dim] for g in (dq, dk))
+    return dq, dk, dv

@@ -1,7 +1,9 @@
 """Triton kernels of flashtrain, installed as ``flashtrain.kernels``.
 
-One file per operator: ``attention_fwd`` (forward), ``attention_bwd`` (backward), ``configs`` (launch
-configurations), ``dropout_mask`` (the dropout mask materialised, for tests). Each ``<op>_kernel`` is a
+One file per operator: ``attention_fwd`` (forward), ``attention_bwd`` (backward), ``attention_fp8_fwd`` and
+``attention_fp8_bwd`` (the FP8 path), ``fp8_quant`` (per-tile e4m3 quantisation), ``hadamard`` (the rotation
+for incoherent processing), ``dropout_mask`` (the dropout mask materialised, for tests) and ``configs``
+(launch configurations). Each ``<op>_kernel`` is a
 ``triton.jit`` kernel; each ``<op>`` function next to it is the launcher that takes torch tensors. The plain PyTorch references live in ``flashtrain.reference``.
 """
 

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import LOG2E, lse_dtype
-from .fp8_quant import E4M3_MAX, _round_to_e4m3_grid, fp8_quantize
+from .attention_fwd import LOG2E, allocate_outputs
+from .fp8_quant import _round_to_e4m3_grid, fp8_quantize
 
 
 @triton.jit
@@ -152,12 +152,9 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
     """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
-    out = torch.empty_like(q)
-    lse = torch.empty((batch, heads_q, seq_q), device=q.device, dtype=lse_dtype(q.dtype))
-    if out.numel() == 0:
+    out, lse, done = allocate_outputs(q, k)
+    if done:
         return out, lse
-    if seq_k == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
     cfg = configs.fp8_config(max(seq_q, seq_k))
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     qk_q = q if rotated_q is None else rotated_q
@@ -177,5 +174,3 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
         BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, **cfg)
     return out, lse
 
-
-__all__ = ["attention_fp8_fwd", "attention_fp8_fwd_kernel", "E4M3_MAX"]

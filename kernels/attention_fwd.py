@@ -245,12 +245,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
-    out = torch.empty_like(q)
-    lse = torch.empty((batch, heads_q, seq_q), device=q.device, dtype=lse_dtype(q.dtype))
-    if out.numel() == 0:
+    out, lse, done = allocate_outputs(q, k)
+    if done:
         return out, lse
-    if seq_k == 0:  # nothing to attend to: zeros, LSE -inf (the kernel's answer too, without a launch)
-        return out.zero_(), lse.fill_(float("-inf"))
 
     def grid(meta):
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
@@ -264,6 +261,18 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                    HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0,
                    SCALE_EARLY=q.dtype == torch.float64 or key_padding_mask is not None or scale <= 0)
     return out, lse
+
+
+def allocate_outputs(q: torch.Tensor, k: torch.Tensor):
+    """(out, lse, done) for a forward: out ``empty_like(q)``, lse (B, H_q, N_q) in ``lse_dtype``; done when
+    there is nothing to launch (no query, or no key: zeros and LSE -inf, what the kernel would give)."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=lse_dtype(q.dtype))
+    if out.numel() == 0:
+        return out, lse, True
+    if k.shape[2] == 0:
+        return out.zero_(), lse.fill_(float("-inf")), True
+    return out, lse, False
 
 
 def key_bias_arg(key_padding_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

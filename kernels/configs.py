@@ -79,6 +79,19 @@ def fp8_config(seq_len: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
+# FP8 backward: one square tile for every quantised tensor (Q, K, V, dO share their scales' tiling).
+FP8_BWD_BLOCK = 64
+INTERPRET_FP8_BWD_BLOCK = 16
+INTERPRET_LONG_FP8_BWD_BLOCK = 64
+
+
+def fp8_bwd_block(seq_len: int) -> int:
+    """Tile of the FP8 backward kernels (rows of Q, K, V and dO per scale); ``seq_len`` as in fp8_config."""
+    if INTERPRET:
+        return INTERPRET_LONG_FP8_BWD_BLOCK if seq_len >= INTERPRET_LONG_SEQ else INTERPRET_FP8_BWD_BLOCK
+    return FP8_BWD_BLOCK
+
+
 def _configs(candidates):
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)

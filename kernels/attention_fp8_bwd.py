@@ -1,0 +1,207 @@
+"""FP8 (e4m3) attention backward: the four gradient matmuls on FP8 operands with per-tile scales.
+
+With the forward's notation (S in the log2 domain, lse from the FP8 forward), per tile pair:
+    P   = exp2(S - lse),         S recomputed from the FP8 Q and K tiles as in the forward
+    dV += (P8^T dO8)  * (do_scale / 448)          P8 = round_e4m3(448 P), fixed scale as in the forward
+    dP  = (dO8 V8^T)  * (do_scale * v_scale)
+    dS  = P * (dP - delta)                        fp32; delta = rowsum(dO * O) - dlse (16-bit preprocess)
+    dS8 = round_e4m3(dS / ds_scale)               ds_scale = amax(|dS tile|) / 448, per (query, key) tile
+    dQ += (dS8 K8)    * (ds_scale * k_scale)      times the softmax scale at the end
+    dK += (dS8^T Q8)  * (ds_scale * q_scale)
+Q, K, V and dO are quantised once, all in tiles of the same BLOCK rows, so both kernels read the same
+scales; a dS tile is quantised the same way in both (its amax does not depend on the orientation). dQ and
+dK come out in the rotated space when the forward rotated Q and K; the caller maps them back.
+
+Two kernels as in the 16-bit backward, no atomics: ``attention_fp8_bwd_dkdv_kernel`` (key tile resident,
+GQA group summed in registers) and ``attention_fp8_bwd_dq_kernel`` (query tile resident). Causal tiles
+above the diagonal are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .attention_bwd import attention_bwd_preprocess_kernel
+from .attention_fwd import LOG2E
+from .fp8_quant import _round_to_e4m3_grid, fp8_quantize
+
+
+@triton.jit
+def _quantize_tile(x):
+    """(x8, scale): x (fp32 tile) on the e4m3 grid with one scale, amax / 448 (1 for an all-zero tile)."""
+    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    x8 = _round_to_e4m3_grid(tl.minimum(tl.maximum(x / scale, -448.0), 448.0)).to(tl.float8e4nv)
+    return x8, scale
+
+
+@triton.jit
+def _load_fp8_rows(base, rows, n_rows, stride, offs_d, dim):
+    return tl.load(base + rows[:, None] * stride + offs_d[None, :],
+                   mask=(rows[:, None] < n_rows) & (offs_d[None, :] < dim), other=0.0)
+
+
+@triton.jit
+def attention_fp8_bwd_dkdv_kernel(
+    Q8, QS, K8, KS, V8, VS, DO8, DOS, LSE, DELTA, DK, DV,
+    seq_q, seq_k, qk_scale, sm_scale,
+    GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program: BLOCK keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK), H_kv, B).
+
+    Q8 (B, H_q, seq_q, QK_DIM), K8 (B, H_kv, seq_k, QK_DIM), V8 (B, H_kv, seq_k, HEAD_DIM), DO8 (B, H_q,
+    seq_q, HEAD_DIM): e4m3, contiguous, with fp32 scales QS, KS, VS, DOS per (batch, head, tile of BLOCK
+    rows). LSE (log2 domain), DELTA: (B, H_q, seq_q) fp32. DK (B, H_kv, seq_k, QK_DIM) and DV (B, H_kv,
+    seq_k, HEAD_DIM): fp32, contiguous.
+    """
+    pid_n = tl.program_id(0)
+    off_hk = tl.program_id(1)
+    off_b = tl.program_id(2)
+    heads_kv = tl.num_programs(1)
+    heads_q = heads_kv * GROUP
+    tiles_q = tl.cdiv(seq_q, BLOCK)
+    tiles_k = tl.cdiv(seq_k, BLOCK)
+    start_n = pid_n * BLOCK
+    offs_n = start_n + tl.arange(0, BLOCK)
+    offs_m = tl.arange(0, BLOCK)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    head_kv = off_b.to(tl.int64) * heads_kv + off_hk
+    k = _load_fp8_rows(K8 + head_kv * seq_k * QK_DIM, offs_n, seq_k, QK_DIM, offs_dk, QK_DIM)
+    v = _load_fp8_rows(V8 + head_kv * seq_k * HEAD_DIM, offs_n, seq_k, HEAD_DIM, offs_dv, HEAD_DIM)
+    k_scale = tl.load(KS + head_kv * tiles_k + pid_n)
+    v_scale = tl.load(VS + head_kv * tiles_k + pid_n)
+    dk = tl.zeros([BLOCK, BLOCK_DK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
+
+    causal_offset = seq_k - seq_q
+    lo = 0
+    if CAUSAL:  # first query tile with a row that sees key start_n
+        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK) * BLOCK
+    for g in range(GROUP):
+        head_q = off_b.to(tl.int64) * heads_q + off_hk * GROUP + g
+        for start_m in range(lo, seq_q, BLOCK):
+            rows = start_m + offs_m
+            tile_m = start_m // BLOCK
+            q = _load_fp8_rows(Q8 + head_q * seq_q * QK_DIM, rows, seq_q, QK_DIM, offs_dk, QK_DIM)
+            do = _load_fp8_rows(DO8 + head_q * seq_q * HEAD_DIM, rows, seq_q, HEAD_DIM, offs_dv, HEAD_DIM)
+            q_scale = tl.load(QS + head_q * tiles_q + tile_m)
+            do_scale = tl.load(DOS + head_q * tiles_q + tile_m)
+            lse2 = tl.load(LSE + head_q * seq_q + rows, mask=rows < seq_q, other=float("inf"))
+            lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
+            delta = tl.load(DELTA + head_q * seq_q + rows, mask=rows < seq_q, other=0.0)
+            # P^T, (BLOCK keys, BLOCK queries)
+            s_t = tl.dot(k, tl.trans(q)) * (k_scale * q_scale * qk_scale)
+            p_t = tl.exp2(s_t - lse2[None, :])
+            visible = (offs_n[:, None] < seq_k) & (rows[None, :] < seq_q)
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
+            p_t = tl.where(visible, p_t, 0.0)
+            p8_t = _round_to_e4m3_grid(p_t * 448.0).to(tl.float8e4nv)
+            dv += tl.dot(p8_t, do) * (do_scale / 448.0)
+            dp_t = tl.dot(v, tl.trans(do)) * (v_scale * do_scale)
+            ds8_t, ds_scale = _quantize_tile(p_t * (dp_t - delta[None, :]))
+            dk += tl.dot(ds8_t, q) * (ds_scale * q_scale)
+
+    rows_ok = offs_n[:, None] < seq_k
+    tl.store(DK + (head_kv * seq_k + offs_n[:, None]) * QK_DIM + offs_dk[None, :], dk * sm_scale,
+             mask=rows_ok & (offs_dk[None, :] < QK_DIM))
+    tl.store(DV + (head_kv * seq_k + offs_n[:, None]) * HEAD_DIM + offs_dv[None, :], dv,
+             mask=rows_ok & (offs_dv[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def attention_fp8_bwd_dq_kernel(
+    Q8, QS, K8, KS, V8, VS, DO8, DOS, LSE, DELTA, DQ,
+    seq_q, seq_k, qk_scale, sm_scale,
+    GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program: BLOCK query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK), H_q, B).
+    Tensors as in the dK/dV kernel; DQ (B, H_q, seq_q, QK_DIM) fp32, contiguous."""
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    heads_q = tl.num_programs(1)
+    tiles_q = tl.cdiv(seq_q, BLOCK)
+    tiles_k = tl.cdiv(seq_k, BLOCK)
+    start_m = pid_m * BLOCK
+    rows = start_m + tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    head_q = off_b.to(tl.int64) * heads_q + off_h
+    head_kv = off_b.to(tl.int64) * (heads_q // GROUP) + off_h // GROUP
+    q = _load_fp8_rows(Q8 + head_q * seq_q * QK_DIM, rows, seq_q, QK_DIM, offs_dk, QK_DIM)
+    do = _load_fp8_rows(DO8 + head_q * seq_q * HEAD_DIM, rows, seq_q, HEAD_DIM, offs_dv, HEAD_DIM)
+    q_scale = tl.load(QS + head_q * tiles_q + pid_m)
+    do_scale = tl.load(DOS + head_q * tiles_q + pid_m)
+    lse2 = tl.load(LSE + head_q * seq_q + rows, mask=rows < seq_q, other=float("inf"))
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    delta = tl.load(DELTA + head_q * seq_q + rows, mask=rows < seq_q, other=0.0)
+    dq = tl.zeros([BLOCK, BLOCK_DK], dtype=tl.float32)
+
+    causal_offset = seq_k - seq_q
+    hi = seq_k
+    if CAUSAL:  # keys seen by the tile's last row
+        hi = tl.maximum(tl.minimum(seq_k, start_m + BLOCK + causal_offset), 0)
+    for start_n in range(0, hi, BLOCK):
+        cols = start_n + offs_n
+        tile_n = start_n // BLOCK
+        k = _load_fp8_rows(K8 + head_kv * seq_k * QK_DIM, cols, seq_k, QK_DIM, offs_dk, QK_DIM)
+        v = _load_fp8_rows(V8 + head_kv * seq_k * HEAD_DIM, cols, seq_k, HEAD_DIM, offs_dv, HEAD_DIM)
+        k_scale = tl.load(KS + head_kv * tiles_k + tile_n)
+        v_scale = tl.load(VS + head_kv * tiles_k + tile_n)
+        s = tl.dot(q, tl.trans(k)) * (q_scale * k_scale * qk_scale)
+        p = tl.exp2(s - lse2[:, None])
+        visible = (cols[None, :] < seq_k) & (rows[:, None] < seq_q)
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
+        p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v)) * (do_scale * v_scale)
+        ds8, ds_scale = _quantize_tile(p * (dp - delta[:, None]))
+        dq += tl.dot(ds8, k) * (ds_scale * k_scale)
+
+    tl.store(DQ + (head_q * seq_q + rows[:, None]) * QK_DIM + offs_dk[None, :], dq * sm_scale,
+             mask=(rows[:, None] < seq_q) & (offs_dk[None, :] < QK_DIM))
+
+
+def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal: bool, scale: float):
+    """Launch the FP8 backward. Returns (dq, dk, dv) in fp32: dq, dk shaped like ``q_for_scores`` /
+    ``k_for_scores`` (the rotated Q and K when the forward rotated them, else q and k), dv like v.
+
+    do, out: (B, H_q, N_q, D); lse: (B, H_q, N_q) log2-domain fp32 from the FP8 forward; dlse: the gradient
+    of the natural-log LSE or None.
+    """
+    batch, heads_q, seq_q, head_dim = do.shape
+    heads_kv, seq_k = v.shape[1], v.shape[2]
+    qk_dim = q_for_scores.shape[3]
+    dq = torch.zeros((batch, heads_q, seq_q, qk_dim), device=do.device, dtype=torch.float32)
+    dk = torch.zeros((batch, heads_kv, seq_k, qk_dim), device=do.device, dtype=torch.float32)
+    dv = torch.zeros((batch, heads_kv, seq_k, head_dim), device=do.device, dtype=torch.float32)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq, dk, dv
+    block = configs.fp8_bwd_block(max(seq_q, seq_k))
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    pre_block = 16 if configs.INTERPRET else 64
+    attention_bwd_preprocess_kernel[(triton.cdiv(seq_q, pre_block), heads_q, batch)](
+        out, do, dlse.contiguous() if dlse is not None else delta, delta, *out.stride(), *do.stride(), seq_q,
+        HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_M=pre_block, HAS_DLSE=dlse is not None)
+    q8, q_scales = fp8_quantize(q_for_scores, block)
+    k8, k_scales = fp8_quantize(k_for_scores, block)
+    v8, v_scales = fp8_quantize(v, block)
+    do8, do_scales = fp8_quantize(do, block)
+    meta = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.block_d(qk_dim),
+                BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, BLOCK=block)
+    tensors = (q8, q_scales, k8, k_scales, v8, v_scales, do8, do_scales, lse, delta)
+    scalars = (seq_q, seq_k, scale * LOG2E, scale)
+    attention_fp8_bwd_dkdv_kernel[(triton.cdiv(seq_k, block), heads_kv, batch)](*tensors, dk, dv, *scalars, **meta)
+    attention_fp8_bwd_dq_kernel[(triton.cdiv(seq_q, block), heads_q, batch)](*tensors, dq, *scalars, **meta)
+    return dq, dk, dv
