@@ -2,7 +2,8 @@
 
 Speed: TFLOP/s of forward and backward, bf16, on the grid batch*seq = 16k tokens, heads*head_dim = 2048,
 head_dim 64 and 128, seq 1k..16k, causal and not; plus head_dim 256, seq 32k and GQA (4 query heads per
-KV head). Providers: flashtrain, SDPA's flash / cuDNN / efficient backends, FlexAttention (compiled).
+KV head). Providers: flashtrain, SDPA's flash / cuDNN / efficient backends, FlexAttention (compiled); on
+request (--providers) flashtrain's FP8 path: flashtrain_fp8_fwd (fp8="forward") and flashtrain_fp8 ("full").
 FLOPs: forward 4*B*H*N*N*D (half when causal), backward 2.5x forward. Medians of triton.testing.do_bench.
 
 Memory: peak memory of forward+backward beyond the inputs, B=1, H=16, D=128, causal, seq 4k..32k, for
@@ -35,6 +36,9 @@ FIELDS = ["provider", "dtype", "D", "N", "B", "H", "H_kv", "causal", "mode", "ms
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 PROVIDERS = ["flashtrain", *SDPA_BACKENDS, "flex"]
+# optional (--providers): flashtrain's FP8 path; "forward" times the FP8 forward with the 16-bit backward,
+# "full" the FP8 forward and the FP8 backward
+FP8_PROVIDERS = {"flashtrain_fp8_fwd": "forward", "flashtrain_fp8": "full"}
 
 
 def attention_flops(batch, heads, seq, head_dim, causal, mode):
@@ -50,6 +54,8 @@ def make_provider(name, causal, seq, gqa):
     """fn(q, k, v) -> out for one provider (q: (B, H, N, D), k/v: (B, H_kv, N, D))."""
     if name == "flashtrain":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if name in FP8_PROVIDERS:
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, fp8=FP8_PROVIDERS[name])
     if name in SDPA_BACKENDS:
         backend = SDPA_BACKENDS[name]
 
@@ -69,7 +75,8 @@ def make_provider(name, causal, seq, gqa):
         if causal:
             block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq, seq)
         return lambda q, k, v: _flex_cache["fn"](q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDERS + ['sdpa', 'eager']}")
+    known = PROVIDERS + list(FP8_PROVIDERS) + ["sdpa", "eager"]
+    raise ValueError(f"unknown provider {name!r}; expected one of {known}")
 
 
 def bench_speed(provider, batch, heads, heads_kv, seq, head_dim, causal, dtype):

@@ -7,6 +7,13 @@ run is recorded as OOM. Needs a CUDA GPU; writes a CSV.
 
     python scripts/bench_training.py --out benchmarks/results/training_h200.csv
     python scripts/bench_training.py --report benchmarks/results/training_h200.csv --plot PNG   # any machine
+
+An attn of the form NAME:FP8 sets the FP8 mode too (``flash_fp8:full`` is ``attn=flash_fp8 attn.fp8=full``).
+With --losses-out, every step's training loss is written as well (attn, seq, step, loss), for loss curves:
+
+    python scripts/bench_training.py --attn flash flash_fp8:forward flash_fp8:full --seqs 4096 --steps 300 \
+        --out benchmarks/results/fp8_training_h200.csv --losses-out benchmarks/results/fp8_losses_h200.csv
+    python scripts/bench_training.py --plot-losses benchmarks/results/fp8_losses_h200.csv --plot PNG
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ def run_one(attn, seq, args, tmp):
 
     class StepTimer(L.Callback):
         def __init__(self):
-            self.times, self.t = [], None
+            self.times, self.losses, self.t = [], [], None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             torch.cuda.synchronize()
@@ -44,8 +51,10 @@ def run_one(attn, seq, args, tmp):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t)
+            self.losses.append(float(outputs["loss"]))
 
-    overrides = [f"attn={attn}", f"seq_len={seq}", f"model={args.model}", f"tokens_per_step={args.tokens_per_step}",
+    name, _, fp8 = attn.partition(":")
+    overrides = [f"attn={name}", *([f"attn.fp8={fp8}"] if fp8 else []), f"seq_len={seq}", f"model={args.model}", f"tokens_per_step={args.tokens_per_step}",
                  f"trainer.max_steps={args.steps}", "trainer.enable_progress_bar=false", "~logger",
                  "callbacks.checkpoint=null", "trainer.val_check_interval=1000000", f"output_dir={tmp}",
                  "+trainer.enable_model_summary=false", "+trainer.enable_checkpointing=false"]
@@ -68,6 +77,7 @@ def run_one(attn, seq, args, tmp):
                    peak_reserved_gib=f"{torch.cuda.max_memory_reserved() / 2**30:.2f}", status="ok")
     except torch.OutOfMemoryError:
         row.update(status="OOM")
+    row["losses"] = timer.losses
     del trainer, module, datamodule
     gc.collect()
     torch.cuda.empty_cache()
@@ -86,14 +96,22 @@ def bench(args):
     register_resolvers()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat())
+    losses_file = open(args.losses_out, "w", newline="") if args.losses_out else None
+    if losses_file:
+        loss_writer = csv.writer(losses_file)
+        loss_writer.writerow(["attn", "seq", "step", "loss", "gpu", "date"])
     with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
+        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="", extrasaction="ignore")
         writer.writeheader()
         for seq in args.seqs:
             for attn in args.attn:
                 row = dict(run_one(attn, seq, args, Path(args.tmp) / f"{attn}-{seq}"), **meta)
                 writer.writerow(row)
                 f.flush()
+                if losses_file:
+                    for step, loss in enumerate(row["losses"]):
+                        loss_writer.writerow([attn, seq, step, f"{loss:.5f}", meta["gpu"], meta["date"]])
+                    losses_file.flush()
                 print(f"{attn:6s} seq={seq:6d} {row['status']:4s} tok/s={row.get('tokens_per_s', '')} "
                       f"step={row.get('step_time_s', '')}s peak={row.get('peak_alloc_gib', '')} GiB", flush=True)
 
@@ -102,7 +120,7 @@ def report(path, plot_path=None):
     """Markdown table (and a PNG) from a bench_training CSV."""
     with open(path) as f:
         rows = list(csv.DictReader(f))
-    attns = [a for a in ("eager", "sdpa", "flash", "flash_fp8") if any(r["attn"] == a for r in rows)]
+    attns = list(dict.fromkeys(r["attn"] for r in rows))  # in the order they were run
     seqs = sorted({int(r["seq"]) for r in rows})
     get = {(r["attn"], int(r["seq"])): r for r in rows}
     first = rows[0]
@@ -148,6 +166,34 @@ def report(path, plot_path=None):
     return text
 
 
+def plot_losses(path, plot_path):
+    """Training loss against step, one line per (attn, seq), from a --losses-out CSV; prints final losses."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    curves: dict = {}
+    for r in rows:
+        curves.setdefault((r["attn"], r["seq"]), []).append((int(r["step"]), float(r["loss"])))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    lines = []
+    for (attn, seq), points in curves.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=f"{attn}, seq {seq}", lw=1.2)
+        tail = [p[1] for p in points[-20:]]
+        lines.append(f"{attn} seq {seq}: mean loss over the last {len(tail)} steps {sum(tail) / len(tail):.4f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.suptitle(f"training loss, {rows[0]['gpu']}, {rows[0]['date']}")
+    fig.tight_layout()
+    fig.savefig(plot_path, dpi=90)
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/training.csv")
@@ -159,9 +205,13 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--tmp", default="/tmp/flashtrain-bench")
     parser.add_argument("--report", metavar="CSV", help="print the table of an existing CSV instead")
-    parser.add_argument("--plot", help="with --report: write a PNG")
+    parser.add_argument("--plot", help="with --report or --plot-losses: write a PNG")
+    parser.add_argument("--losses-out", help="also write every step's training loss here")
+    parser.add_argument("--plot-losses", metavar="CSV", help="plot a --losses-out CSV to --plot instead")
     args = parser.parse_args(argv)
-    if args.report:
+    if args.plot_losses:
+        print(plot_losses(args.plot_losses, args.plot or "losses.png"))
+    elif args.report:
         print(report(args.report, args.plot))
     else:
         bench(args)

@@ -18,7 +18,7 @@ import re
 
 import pandas as pd
 
-SPEED_PROVIDERS = ["flashtrain", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
+SPEED_PROVIDERS = ["flashtrain", "flashtrain_fp8_fwd", "flashtrain_fp8", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
 MEMORY_PROVIDERS = ["flashtrain", "sdpa", "eager"]
 START, END = "<!-- attention-benchmark:start -->", "<!-- attention-benchmark:end -->"
 
