@@ -1,0 +1,134 @@
+"""Compile every Triton kernel of flashtrain for an NVIDIA GPU target, on any machine (no GPU needed).
+
+Triton compiles ahead of time for a named target (``GPUTarget("cuda", 90, 32)``: Hopper), so a kernel that
+would fail to compile on the GPU box (a non-constexpr global, an unsupported FP8 layout, a type error) fails
+here, before device time is spent. Each kernel is compiled for every launch configuration the autotuner or
+the launchers may pick, and for each compile-time variant (causal, key bias, dropout, the FP8 kernels).
+Correctness and speed still need the GPU. Must run *without* TRITON_INTERPRET (the interpreter replaces the
+kernels by Python functions).
+
+    python scripts/compile_kernels.py            # Hopper (sm_90), every candidate (a few minutes)
+    python scripts/compile_kernels.py --quick    # one candidate per kernel: what the test suite runs
+    python scripts/compile_kernels.py --arch 100 # another target
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_kernels.py: unset TRITON_INTERPRET (the interpreter does not compile kernels)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from flashtrain.kernels import configs  # noqa: E402
+from flashtrain.kernels.attention_bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,  # noqa: E402
+                                              attention_bwd_preprocess_kernel)
+from flashtrain.kernels.attention_fp8_bwd import (attention_fp8_bwd_dkdv_kernel,  # noqa: E402
+                                                  attention_fp8_bwd_dq_kernel)
+from flashtrain.kernels.attention_fp8_fwd import attention_fp8_fwd_kernel  # noqa: E402
+from flashtrain.kernels.attention_fwd import attention_fwd_kernel  # noqa: E402
+from flashtrain.kernels.dropout_mask import dropout_keep_mask_kernel  # noqa: E402
+from flashtrain.kernels.fp8_quant import fp8_quantize_kernel  # noqa: E402
+from flashtrain.kernels.hadamard import hadamard_kernel  # noqa: E402
+
+FLOAT_ARGS = {"qk_scale", "qk_scale_lo", "sm_scale", "sm_scale_lo", "dropout_p", "keep_scale", "keep_scale_lo",
+              "norm", "norm_lo"}
+
+
+def signature(kernel, pointers: dict, constexprs: dict) -> dict:
+    """Triton signature: the given pointer types, fp32 for the float scalars, i32 for every other runtime
+    argument (strides, lengths, seeds), 'constexpr' for the compile-time ones."""
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        else:
+            sig[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    return sig
+
+
+def compile_one(kernel, pointers, constexprs, target, num_warps=4, num_stages=2):
+    src = ASTSource(fn=kernel, signature=signature(kernel, pointers, constexprs), constexprs=constexprs)
+    return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def attention_jobs(dtype="bf16", quick=False):
+    """(name, kernel, pointers, constexprs, num_warps, num_stages) for the 16-bit kernels; ``quick``: only the
+    first candidate of each list."""
+    io = f"*{dtype}"
+    common_ptr = {"Q": io, "K": io, "V": io, "O": io, "DO": io, "DQ": io, "DK": io, "DV": io, "LSE": "*fp32",
+                  "DELTA": "*fp32", "KB": "*fp32", "DLSE": "*fp32"}
+    kinds = [("fwd", attention_fwd_kernel, configs.FWD_CANDIDATES, configs.FWD_CANDIDATES_WIDE),
+             ("dkdv", attention_bwd_dkdv_kernel, configs.DKDV_CANDIDATES, configs.DKDV_CANDIDATES_WIDE),
+             ("dq", attention_bwd_dq_kernel, configs.DQ_CANDIDATES, configs.DQ_CANDIDATES_WIDE)]
+    variants = [dict(CAUSAL=True, HAS_KEY_BIAS=False, DROPOUT=False), dict(CAUSAL=False, HAS_KEY_BIAS=False, DROPOUT=False),
+                dict(CAUSAL=True, HAS_KEY_BIAS=True, DROPOUT=True)]
+    for name, kernel, narrow, wide in kinds:
+        for head_dim, candidates in ((128, narrow), (256, wide)):
+            for cfg in candidates[:1] if quick else candidates:
+                for variant in variants:
+                    meta = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_D=head_dim, PRECISION="ieee", **variant,
+                                **cfg.kwargs)
+                    if name == "fwd":
+                        meta["SCALE_EARLY"] = variant["HAS_KEY_BIAS"]
+                    yield (f"{name} D={head_dim} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages} {variant}",
+                           kernel, common_ptr, meta, cfg.num_warps, cfg.num_stages)
+    yield ("bwd preprocess", attention_bwd_preprocess_kernel, common_ptr,
+           dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, HAS_DLSE=True), 4, 2)
+    yield ("dropout mask", dropout_keep_mask_kernel, {"KEEP": "*u8"}, dict(BLOCK_M=32, BLOCK_N=32), 4, 2)
+
+
+def fp8_jobs(dtype="bf16"):
+    fp8 = "*fp8e4nv"
+    fwd = configs.fp8_config(1 << 20)
+    block = configs.fp8_bwd_block(1 << 20)
+    for head_dim in (64, 128, 256):
+        for causal in (False, True):
+            yield (f"fp8 fwd D={head_dim} causal={causal}", attention_fp8_fwd_kernel,
+                   {"Q8": fp8, "K8": fp8, "VT8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "O": f"*{dtype}",
+                    "LSE": "*fp32"},
+                   dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
+                        CAUSAL=causal, BLOCK_M=fwd["BLOCK_M"], BLOCK_N=fwd["BLOCK_N"]),
+                   fwd["num_warps"], fwd["num_stages"])
+            bwd_ptr = {"Q8": fp8, "K8": fp8, "V8": fp8, "DO8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
+                       "DOS": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DK": "*fp32", "DV": "*fp32", "DQ": "*fp32"}
+            meta = dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
+                        CAUSAL=causal, BLOCK=block)
+            yield (f"fp8 dkdv D={head_dim} causal={causal}", attention_fp8_bwd_dkdv_kernel, bwd_ptr, meta, 4, 2)
+            yield (f"fp8 dq D={head_dim} causal={causal}", attention_fp8_bwd_dq_kernel, bwd_ptr, meta, 4, 2)
+        yield (f"fp8 quantize D={head_dim}", fp8_quantize_kernel, {"X": f"*{dtype}", "Q": fp8, "S": "*fp32"},
+               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=64), 4, 2)
+        yield (f"hadamard D={head_dim}", hadamard_kernel, {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}"},
+               dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True), 4, 2)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: Hopper)")
+    parser.add_argument("--only", default="", help="compile only the jobs whose name contains this")
+    parser.add_argument("--quick", action="store_true", help="one tuning candidate per kernel and head dim")
+    args = parser.parse_args(argv)
+    target = GPUTarget("cuda", args.arch, 32)
+    failures = 0
+    jobs = [j for j in (*attention_jobs(quick=args.quick), *fp8_jobs()) if args.only in j[0]]
+    start = time.time()
+    for name, kernel, pointers, meta, warps, stages in jobs:
+        try:
+            compile_one(kernel, pointers, meta, target, warps, stages)
+        except Exception as exc:  # report every failure, not only the first
+            failures += 1
+            print(f"FAILED {name}: {type(exc).__name__}: {str(exc).splitlines()[-1] if str(exc) else ''}")
+    print(f"{len(jobs) - failures}/{len(jobs)} kernels compiled for sm_{args.arch} in {time.time() - start:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
