@@ -65,9 +65,9 @@ def attention_bwd_preprocess_kernel(
 def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_n,
                               stride_qm, stride_dom, lo, hi, offs_m, offs_n, offs_d,
                               seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
-                              seed, rng_base, dropout_p, keep_scale, keep_scale_lo, start_n,
+                              seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                              MASKED: tl.constexpr, PRECISION: tl.constexpr,
                               HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate one query head's query blocks [lo, hi) into dK, dV of the resident key block.
 
@@ -169,16 +169,14 @@ def attention_bwd_dkdv_kernel(
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
                                            bias_n, stride_qm, stride_dom, lo, mid, offs_m, offs_n, offs_d,
                                            seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
-                                           seed, row_base, dropout_p, keep_scale, keep_scale_lo, start_n,
-                                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, PRECISION, HAS_KEY_BIAS,
-                                           DROPOUT)
+                                           seed, row_base, dropout_p, keep_scale, keep_scale_lo,
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_BIAS, DROPOUT)
         # stage 2: query blocks that see the whole key block, no causal mask
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
                                            bias_n, stride_qm, stride_dom, mid, end, offs_m, offs_n, offs_d,
                                            seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
-                                           seed, row_base, dropout_p, keep_scale, keep_scale_lo, start_n,
-                                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, PRECISION, HAS_KEY_BIAS,
-                                           DROPOUT)
+                                           seed, row_base, dropout_p, keep_scale, keep_scale_lo,
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_BIAS, DROPOUT)
 
     out_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = (DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
@@ -193,8 +191,8 @@ def attention_bwd_dkdv_kernel(
 def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
                             lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
                             seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
                             HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate key blocks [lo, hi) into dQ of the resident query block. MASKED: diagonal and tail."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -279,14 +277,12 @@ def attention_bwd_dq_kernel(
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
                                  0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
                                  seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, CAUSAL, PRECISION, HAS_KEY_BIAS,
-                                 DROPOUT)
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION, HAS_KEY_BIAS, DROPOUT)
     # stage 2: diagonal blocks and the ragged tail of seq_k
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
                                  mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
                                  seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, CAUSAL, PRECISION, HAS_KEY_BIAS,
-                                 DROPOUT)
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION, HAS_KEY_BIAS, DROPOUT)
 
     dq_ptrs = (DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
                + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)

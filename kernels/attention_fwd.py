@@ -79,7 +79,7 @@ def _dropout_keep(seed, rng_base, rows, cols, seq_k, dropout_p):
 def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
                          lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
                          seed, rng_base, dropout_p,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                          PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
                          SCALE_EARLY: tl.constexpr):
@@ -198,13 +198,13 @@ def attention_fwd_kernel(
     acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
                                          0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset,
                                          qk_scale, qk_scale_lo, seed, rng_base, dropout_p,
-                                         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, CAUSAL, PRECISION,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION,
                                          HAS_KEY_BIAS, DROPOUT, SCALE_EARLY)
     # stage 2: blocks crossing the diagonal, and the ragged tail of seq_k
     acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
                                          mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset,
                                          qk_scale, qk_scale_lo, seed, rng_base, dropout_p,
-                                         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, CAUSAL, PRECISION,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION,
                                          HAS_KEY_BIAS, DROPOUT, SCALE_EARLY)
 
     # epilogue: one division by the row sum; rows that saw no key have acc = 0, l = 0 -> output 0
