@@ -10,8 +10,8 @@ and key lengths equal, as PyTorch's hint requires); a ``key_padding_mask``, bool
 the kernels as a per-key bias, alone or with the causal mask; no (L, S) tensor is built; PyTorch's
 transformer layers pass it as float); attention dropout in training (Philox inside the kernels, seeded
 from torch's generator, so ``torch.manual_seed`` reproduces it); ``add_bias_kv`` / ``add_zero_attn``;
-kdim/vdim; batched and unbatched inputs. A query whose keys are all
-padded gets a zero attention output, as in PyTorch's SDPA-based path (its inference fast path gives NaN).
+kdim/vdim; batched and unbatched inputs. A query whose keys are all padded gets a zero attention output, as
+in PyTorch's SDPA-based path (its inference fast path gives NaN).
 
 Everything else takes PyTorch's own exact implementation (``nn.MultiheadAttention.forward``):
 ``need_weights=True`` (the weights are the N x N matrix: pass ``need_weights=False`` to keep the memory
