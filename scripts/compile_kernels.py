@@ -41,6 +41,28 @@ FLOAT_ARGS = {"qk_scale", "qk_scale_lo", "sm_scale", "sm_scale_lo", "dropout_p",
               "norm", "norm_lo"}
 
 
+DIVISIBLE_16 = [["tt.divisibility", 16]]
+
+
+def specialization(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:
+    """What Triton's launcher would specialise on for a typical aligned launch (contiguous bf16 tensors, head
+    dims and sequence lengths multiples of 16): pointers and the other strides and lengths divisible by 16,
+    the unit last-dim strides folded to the constant 1. Without this the compiler cannot prove alignment and
+    does not pipeline the loads (no cp.async), so register and shared-memory figures would be off.
+    Returns (attrs, extra constants)."""
+    attrs, ones = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            continue
+        if name in pointers:
+            attrs[(i,)] = DIVISIBLE_16
+        elif name.startswith("stride_") and name.endswith("d") and not name.endswith("_b"):
+            ones[name] = 1
+        elif name.startswith(("stride_", "seq_")) or name in ("n_rows", "d_in", "d_out"):
+            attrs[(i,)] = DIVISIBLE_16
+    return attrs, ones
+
+
 def signature(kernel, pointers: dict, constexprs: dict) -> dict:
     """Triton signature: the given pointer types, fp32 for the float scalars, i32 for every other runtime
     argument (strides, lengths, seeds), 'constexpr' for the compile-time ones."""
@@ -56,7 +78,10 @@ def signature(kernel, pointers: dict, constexprs: dict) -> dict:
 
 
 def compile_one(kernel, pointers, constexprs, target, num_warps=4, num_stages=2):
-    src = ASTSource(fn=kernel, signature=signature(kernel, pointers, constexprs), constexprs=constexprs)
+    attrs, ones = specialization(kernel, pointers, constexprs)
+    constexprs = {**constexprs, **ones}
+    src = ASTSource(fn=kernel, signature=signature(kernel, pointers, constexprs), constexprs=constexprs,
+                    attrs=attrs)
     return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
