@@ -25,7 +25,7 @@ import triton.language as tl
 
 from . import configs
 from .attention_bwd import attention_bwd_preprocess_kernel
-from .attention_fwd import LOG2E
+from .attention_fwd import LOG2E, _load_rows
 from .fp8_quant import _round_to_e4m3_grid, fp8_quantize
 
 
@@ -36,12 +36,6 @@ def _quantize_tile(x):
     scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
     x8 = _round_to_e4m3_grid(tl.minimum(tl.maximum(x / scale, -448.0), 448.0)).to(tl.float8e4nv)
     return x8, scale
-
-
-@triton.jit
-def _load_fp8_rows(base, rows, n_rows, stride, offs_d, dim):
-    return tl.load(base + rows[:, None] * stride + offs_d[None, :],
-                   mask=(rows[:, None] < n_rows) & (offs_d[None, :] < dim), other=0.0)
 
 
 @triton.jit
@@ -72,8 +66,10 @@ def attention_fp8_bwd_dkdv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     head_kv = off_b.to(tl.int64) * heads_kv + off_hk
-    k = _load_fp8_rows(K8 + head_kv * seq_k * QK_DIM, offs_n, seq_k, QK_DIM, offs_dk, QK_DIM)
-    v = _load_fp8_rows(V8 + head_kv * seq_k * HEAD_DIM, offs_n, seq_k, HEAD_DIM, offs_dv, HEAD_DIM)
+    k = _load_rows(K8 + (head_kv * seq_k + offs_n[:, None]) * QK_DIM + offs_dk[None, :],
+                   offs_n, seq_k, offs_dk, QK_DIM, BLOCK_DK, True)
+    v = _load_rows(V8 + (head_kv * seq_k + offs_n[:, None]) * HEAD_DIM + offs_dv[None, :],
+                   offs_n, seq_k, offs_dv, HEAD_DIM, BLOCK_DV, True)
     k_scale = tl.load(KS + head_kv * tiles_k + pid_n)
     v_scale = tl.load(VS + head_kv * tiles_k + pid_n)
     dk = tl.zeros([BLOCK, BLOCK_DK], dtype=tl.float32)
@@ -88,8 +84,10 @@ def attention_fp8_bwd_dkdv_kernel(
         for start_m in range(lo, seq_q, BLOCK):
             rows = start_m + offs_m
             tile_m = start_m // BLOCK
-            q = _load_fp8_rows(Q8 + head_q * seq_q * QK_DIM, rows, seq_q, QK_DIM, offs_dk, QK_DIM)
-            do = _load_fp8_rows(DO8 + head_q * seq_q * HEAD_DIM, rows, seq_q, HEAD_DIM, offs_dv, HEAD_DIM)
+            q = _load_rows(Q8 + (head_q * seq_q + rows[:, None]) * QK_DIM + offs_dk[None, :],
+                           rows, seq_q, offs_dk, QK_DIM, BLOCK_DK, True)
+            do = _load_rows(DO8 + (head_q * seq_q + rows[:, None]) * HEAD_DIM + offs_dv[None, :],
+                            rows, seq_q, offs_dv, HEAD_DIM, BLOCK_DV, True)
             q_scale = tl.load(QS + head_q * tiles_q + tile_m)
             do_scale = tl.load(DOS + head_q * tiles_q + tile_m)
             lse2 = tl.load(LSE + head_q * seq_q + rows, mask=rows < seq_q, other=float("inf"))
@@ -138,8 +136,10 @@ def attention_fp8_bwd_dq_kernel(
 
     head_q = off_b.to(tl.int64) * heads_q + off_h
     head_kv = off_b.to(tl.int64) * (heads_q // GROUP) + off_h // GROUP
-    q = _load_fp8_rows(Q8 + head_q * seq_q * QK_DIM, rows, seq_q, QK_DIM, offs_dk, QK_DIM)
-    do = _load_fp8_rows(DO8 + head_q * seq_q * HEAD_DIM, rows, seq_q, HEAD_DIM, offs_dv, HEAD_DIM)
+    q = _load_rows(Q8 + (head_q * seq_q + rows[:, None]) * QK_DIM + offs_dk[None, :],
+                   rows, seq_q, offs_dk, QK_DIM, BLOCK_DK, True)
+    do = _load_rows(DO8 + (head_q * seq_q + rows[:, None]) * HEAD_DIM + offs_dv[None, :],
+                    rows, seq_q, offs_dv, HEAD_DIM, BLOCK_DV, True)
     q_scale = tl.load(QS + head_q * tiles_q + pid_m)
     do_scale = tl.load(DOS + head_q * tiles_q + pid_m)
     lse2 = tl.load(LSE + head_q * seq_q + rows, mask=rows < seq_q, other=float("inf"))
@@ -154,8 +154,10 @@ def attention_fp8_bwd_dq_kernel(
     for start_n in range(0, hi, BLOCK):
         cols = start_n + offs_n
         tile_n = start_n // BLOCK
-        k = _load_fp8_rows(K8 + head_kv * seq_k * QK_DIM, cols, seq_k, QK_DIM, offs_dk, QK_DIM)
-        v = _load_fp8_rows(V8 + head_kv * seq_k * HEAD_DIM, cols, seq_k, HEAD_DIM, offs_dv, HEAD_DIM)
+        k = _load_rows(K8 + (head_kv * seq_k + cols[:, None]) * QK_DIM + offs_dk[None, :],
+                       cols, seq_k, offs_dk, QK_DIM, BLOCK_DK, True)
+        v = _load_rows(V8 + (head_kv * seq_k + cols[:, None]) * HEAD_DIM + offs_dv[None, :],
+                       cols, seq_k, offs_dv, HEAD_DIM, BLOCK_DV, True)
         k_scale = tl.load(KS + head_kv * tiles_k + tile_n)
         v_scale = tl.load(VS + head_kv * tiles_k + tile_n)
         s = tl.dot(q, tl.trans(k)) * (q_scale * k_scale * qk_scale)

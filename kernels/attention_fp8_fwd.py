@@ -22,28 +22,27 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import LOG2E, allocate_outputs
+from .attention_fwd import LOG2E, _load_rows, allocate_outputs
 from .fp8_quant import _round_to_e4m3_grid, fp8_quantize
 
 
 @triton.jit
 def _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base, stride_kn, stride_vtn,
                              lo, hi, offs_m, offs_n, offs_dk, offs_dv, seq_k, causal_offset, qk_scale,
-                             QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                             QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
+                             BLOCK_N: tl.constexpr,
                              MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i). MASKED: blocks crossing the diagonal or the seq_k tail."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         tile = start_n // BLOCK_N
-        if MASKED:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_dk[None, :],
-                        mask=(cols[:, None] < seq_k) & (offs_dk[None, :] < QK_DIM), other=0.0)
+        k = _load_rows(k_base + cols[:, None] * stride_kn + offs_dk[None, :], cols, seq_k, offs_dk, QK_DIM, BLOCK_DK,
+                       MASKED)
+        if MASKED:  # V^T tile (BLOCK_DV, BLOCK_N): keys along columns
             vt = tl.load(vt_base + offs_dv[:, None] * stride_vtn + cols[None, :],
                          mask=(offs_dv[:, None] < HEAD_DIM) & (cols[None, :] < seq_k), other=0.0)
         else:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_dk[None, :], mask=offs_dk[None, :] < QK_DIM,
-                        other=0.0)
             vt = tl.load(vt_base + offs_dv[:, None] * stride_vtn + cols[None, :], mask=offs_dv[:, None] < HEAD_DIM,
                          other=0.0)
         # scores, log2 domain: (BLOCK_M, BLOCK_N); both tiles' scales and the softmax scale in one multiply
@@ -101,9 +100,8 @@ def attention_fp8_fwd_kernel(
     heads_q = tl.num_programs(1)
     heads_kv = heads_q // GROUP
 
-    q = tl.load(Q8 + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-                + offs_m[:, None] * stride_qm + offs_dk[None, :],
-                mask=(offs_m[:, None] < seq_q) & (offs_dk[None, :] < QK_DIM), other=0.0)
+    q = _load_rows(Q8 + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+                   + offs_m[:, None] * stride_qm + offs_dk[None, :], offs_m, seq_q, offs_dk, QK_DIM, BLOCK_DK, True)
     q_scale = tl.load(QS + (off_b.to(tl.int64) * heads_q + off_h) * tl.num_programs(0) + pid_m)
     k_base = K8 + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     vt_base = VT8 + off_b.to(tl.int64) * stride_vtb + off_hk.to(tl.int64) * stride_vth
@@ -124,12 +122,12 @@ def attention_fp8_fwd_kernel(
     # stage 1: off-band, no mask
     acc, l_i, m_i = _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base,
                                              stride_kn, stride_vtn, 0, mid, offs_m, offs_n, offs_dk, offs_dv,
-                                             seq_k, causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N,
+                                             seq_k, causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_N,
                                              False, CAUSAL)
     # stage 2: blocks crossing the diagonal, and the ragged tail of seq_k
     acc, l_i, m_i = _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base,
                                              stride_kn, stride_vtn, mid, hi, offs_m, offs_n, offs_dk, offs_dv,
-                                             seq_k, causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N,
+                                             seq_k, causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_N,
                                              True, CAUSAL)
 
     # epilogue: rows that saw no key have acc = 0, l = 0 -> output 0, LSE -inf
