@@ -4,7 +4,8 @@ One file per operator: ``attention_fwd`` (forward), ``attention_bwd`` (backward)
 ``attention_fp8_bwd`` (the FP8 path), ``fp8_quant`` (per-tile e4m3 quantisation), ``hadamard`` (the rotation
 for incoherent processing), ``dropout_mask`` (the dropout mask materialised, for tests) and ``configs``
 (launch configurations). Each ``<op>_kernel`` is a
-``triton.jit`` kernel; each ``<op>`` function next to it is the launcher that takes torch tensors. The plain PyTorch references live in ``flashtrain.reference``.
+``triton.jit`` kernel; each ``<op>`` function next to it is the launcher that takes torch tensors. The plain
+PyTorch references live in ``flashtrain.reference``.
 """
 
 from .attention_bwd import attention_bwd

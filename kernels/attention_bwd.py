@@ -14,8 +14,9 @@ Two main kernels, no atomics, so results are bitwise deterministic:
 Causal blocks above the diagonal are skipped; only blocks that cross it pay for the elementwise mask.
 
 The key bias (key padding) is added to the recomputed scores as in the forward; rows whose LSE is -inf
-(no visible key) read it as +inf, so their P is exactly 0 instead of exp2(-inf + inf) = NaN. Attention dropout (see ``attention_fwd``) regenerates the forward's
-keep mask Z from the same Philox counters; with r = 1 / (1 - p) the products become
+(no visible key) read it as +inf, so their P is exactly 0 instead of exp2(-inf + inf) = NaN.
+Attention dropout (see ``attention_fwd``) regenerates the forward's keep mask Z from the same Philox
+counters; with r = 1 / (1 - p) the products become
     dV = (Z * P * r)^T dO,    dP = Z * r * (dO V^T),    dS = P * (dP - delta)
 and delta = rowsum(dO * O) still equals rowsum(P * dP), since O is the dropped-out product.
 """
