@@ -323,15 +323,15 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
 
     meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, PRECISION=precision_for(q.dtype),
                 HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0)
-    kb = key_bias_arg(key_padding_mask, q)
+    kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=delta)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     scalars = (seq_q, seq_k, *split_scale(scale), *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed))
     configs.launch("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
                    lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
-                   (q, k, v, do, lse, delta, dk, dv, kb, *common, *dk.stride(), *dv.stride(), kb.stride(0),
+                   (q, k, v, do, lse, delta, dk, dv, kb, *common, *dk.stride(), *dv.stride(), stride_kbb,
                     *scalars, configs.seq_bucket(seq_q)), q.dtype, max(seq_q, seq_k), **meta)
     configs.launch("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
                    lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
-                   (q, k, v, do, lse, delta, dq, kb, *common, *dq.stride(), kb.stride(0),
+                   (q, k, v, do, lse, delta, dq, kb, *common, *dq.stride(), stride_kbb,
                     *scalars, configs.seq_bucket(seq_k)), q.dtype, max(seq_q, seq_k), **meta)
     return dq, dk, dv

@@ -252,8 +252,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     def grid(meta):
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
 
-    kb = key_bias_arg(key_padding_mask, q)
-    args = (q, k, v, out, lse, kb, *q.stride(), *k.stride(), *v.stride(), *out.stride(), kb.stride(0),
+    kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=lse)
+    args = (q, k, v, out, lse, kb, *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_kbb,
             seq_q, seq_k, *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed), configs.seq_bucket(seq_k))
     configs.launch("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, q.dtype, max(seq_q, seq_k),
                    GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
@@ -275,17 +275,22 @@ def allocate_outputs(q: torch.Tensor, k: torch.Tensor):
     return out, lse, False
 
 
-def key_bias_arg(key_padding_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """The KB kernel argument: the key padding mask as a contiguous log2-domain bias (B, N_k) in the
-    accumulator's dtype (-inf at True entries of a bool mask; a float mask times log2(e)), or a 1-element
-    placeholder (never read) when there is none. O(B * N_k) work on the host side of the launch."""
+def key_bias_arg(key_padding_mask: torch.Tensor | None, like: torch.Tensor,
+                 unused: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The (KB, stride_kbb) kernel arguments: the key padding mask as a contiguous log2-domain bias (B, N_k)
+    in the accumulator's dtype (-inf at True entries of a bool mask; a float mask times log2(e)) and its
+    batch stride. Without a mask: ``unused``, any tensor of that dtype the launch already has (the kernel
+    never reads it, so the common call allocates nothing), and stride 0 (one specialisation for all shapes).
+    O(B * N_k) work on the host side of the launch when there is a mask."""
     dtype = lse_dtype(like.dtype)
     if key_padding_mask is None:
-        return like.new_zeros((1, 1), dtype=dtype)
+        return unused, 0
     if key_padding_mask.dtype == torch.bool:
         bias = torch.zeros(key_padding_mask.shape, dtype=dtype, device=like.device)
-        return bias.masked_fill_(key_padding_mask, float("-inf"))
-    return (key_padding_mask.to(dtype) * LOG2E).contiguous()
+        bias.masked_fill_(key_padding_mask, float("-inf"))
+    else:
+        bias = (key_padding_mask.to(dtype) * LOG2E).contiguous()
+    return bias, bias.stride(0)
 
 
 def dropout_args(dropout_p: float, seed: int) -> tuple:
