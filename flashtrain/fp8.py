@@ -8,8 +8,8 @@ Numerics:
 * Scales: one float32 scale per (batch, head, tile of rows), the tile the attention kernel loads:
   scale = amax(|tile|) / 448, so every tile uses the whole e4m3 range and nothing overflows. An all-zero
   tile gets scale 1 and quantises to zeros (no NaN). Dequantisation is q * scale.
-* Rounding: round to nearest, ties to even, done explicitly on the e4m3 grid before the cast
-  (``flashtrain.kernels.fp8_quant``); bit-identical to torch's own conversion.
+* Rounding: round to nearest, ties to even, bit-identical to torch's own conversion: the GPU's cast does it,
+  and in Triton's interpreter ``flashtrain.kernels.fp8_quant`` rounds onto the e4m3 grid before the cast.
 * Incoherent processing: Q and K are multiplied by the same orthogonal matrix M = diag(signs) H / sqrt(d')
   (Sylvester Hadamard H, random +-1 signs, head_dim zero-padded to d' = next power of two). Q M (K M)^T
   = Q K^T in exact arithmetic; in FP8 it spreads outlier channels over all channels, so per-tile scales are

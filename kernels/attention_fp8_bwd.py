@@ -26,7 +26,7 @@ import triton.language as tl
 from . import configs
 from .attention_bwd import attention_bwd_preprocess_kernel
 from .attention_fwd import LOG2E, _load_rows
-from .fp8_quant import _round_to_e4m3_grid, fp8_quantize
+from .fp8_quant import _to_e4m3, fp8_quantize
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _quantize_tile(x):
     """(x8, scale): x (fp32 tile) on the e4m3 grid with one scale, amax / 448 (1 for an all-zero tile)."""
     amax = tl.max(tl.max(tl.abs(x), 1), 0)
     scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
-    x8 = _round_to_e4m3_grid(tl.minimum(tl.maximum(x / scale, -448.0), 448.0)).to(tl.float8e4nv)
+    x8 = _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
     return x8, scale
 
 
@@ -100,7 +100,7 @@ def attention_fp8_bwd_dkdv_kernel(
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
             p_t = tl.where(visible, p_t, 0.0)
-            p8_t = _round_to_e4m3_grid(p_t * 448.0).to(tl.float8e4nv)
+            p8_t = _to_e4m3(p_t * 448.0)
             dv += tl.dot(p8_t, do) * (do_scale / 448.0)
             dp_t = tl.dot(v, tl.trans(do)) * (v_scale * do_scale)
             ds8_t, ds_scale = _quantize_tile(p_t * (dp_t - delta[None, :]))
@@ -189,7 +189,8 @@ def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal:
     dv = torch.zeros((batch, heads_kv, seq_k, head_dim), device=do.device, dtype=torch.float32)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq, dk, dv
-    block = configs.fp8_bwd_block(max(seq_q, seq_k))
+    cfg = configs.fp8_bwd_config(max(seq_q, seq_k))
+    block = cfg["BLOCK"]
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     pre_block = 16 if configs.INTERPRET else 64
@@ -201,7 +202,7 @@ def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal:
     v8, v_scales = fp8_quantize(v, block)
     do8, do_scales = fp8_quantize(do, block)
     meta = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.block_d(qk_dim),
-                BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, BLOCK=block)
+                BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, **cfg)
     tensors = (q8, q_scales, k8, k_scales, v8, v_scales, do8, do_scales, lse, delta)
     scalars = (seq_q, seq_k, scale * LOG2E, scale)
     attention_fp8_bwd_dkdv_kernel[(triton.cdiv(seq_k, block), heads_kv, batch)](*tensors, dk, dv, *scalars, **meta)

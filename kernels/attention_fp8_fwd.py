@@ -6,13 +6,14 @@ V is stored transposed, (B, H_kv, D, seq_k) with seq_k contiguous: the K-major l
 cores take for the right operand of P V.
 
 Per key block, in the log2 domain (log2(e) folded into the softmax scale, as in ``attention_fwd``):
-    S = (Q8 K8^T) * (q_scale * k_scale * softmax_scale * log2(e))     fp32 accumulate, one multiply
-    m = running row max;  P = exp2(S - m) in [0, 1]
-    P8 = round_e4m3(P * 448)                                          fixed scale: 1 maps to e4m3's 448
-    acc = acc * alpha + (P8 V8) * (v_scale / 448)
-    l = l * alpha + rowsum(P)                                         the row sum of the unrounded P
-and out = acc / l, LSE = m + log2(l) (saved for a backward). Causal key blocks above the diagonal are
-skipped, and only blocks that cross it are masked, as in the 16-bit kernel.
+    S = (Q8 K8^T) * c,  c = q_scale * k_scale * softmax_scale * log2(e)   fp32 accumulate
+    m = running row max;  P448 = exp2(S - m + log2(448)) = 448 P in [0, 448]
+    P8 = round_e4m3(P448)                                             fixed scale: 1 maps to e4m3's 448
+    acc = acc * alpha + (P8 V8) * v_scale                             in units of 1/448, as l
+    l = l * alpha + rowsum(P448)                                      the row sum of the unrounded P
+and out = acc / l (the 448 cancels), LSE = m + log2(l / 448) (saved for a backward). c is applied inside
+the exponent's FMA (the row max is taken on the unscaled product, times c). Causal key blocks above the
+diagonal are skipped, and only blocks that cross it are masked, as in the 16-bit kernel.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ import triton.language as tl
 
 from . import configs
 from .attention_fwd import LOG2E, _load_rows, allocate_outputs
-from .fp8_quant import _round_to_e4m3_grid, fp8_quantize
+from .fp8_quant import _to_e4m3, fp8_quantize
+
+LOG2_448 = tl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
 
 
 @triton.jit
 def _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base, stride_kn, stride_vtn,
                              lo, hi, offs_m, offs_n, offs_dk, offs_dv, seq_k, causal_offset, qk_scale,
                              QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
-                             BLOCK_N: tl.constexpr,
-                             MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """Fold key blocks [lo, hi) into (acc, l_i, m_i). MASKED: blocks crossing the diagonal or the seq_k tail."""
+                             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                             SCALE_EARLY: tl.constexpr):
+    """Fold key blocks [lo, hi) into (acc, l_i, m_i). MASKED: blocks crossing the diagonal or the seq_k tail.
+    P, l_i and acc are kept in units of 1/448 (P448 = 448 P), the scale P is cast to e4m3 with."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -45,24 +49,36 @@ def _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base
         else:
             vt = tl.load(vt_base + offs_dv[:, None] * stride_vtn + cols[None, :], mask=offs_dv[:, None] < HEAD_DIM,
                          other=0.0)
-        # scores, log2 domain: (BLOCK_M, BLOCK_N); both tiles' scales and the softmax scale in one multiply
-        s = tl.dot(q, tl.trans(k)) * (q_scale * tl.load(ks_base + tile) * qk_scale)
+        # scores: the FP8 product (fp32) times c = both tiles' scales x softmax scale x log2(e). With c > 0 the
+        # row max is taken on the raw product and c is applied inside the exponent's FMA below; a scale <= 0
+        # (SCALE_EARLY) multiplies first.
+        c = q_scale * tl.load(ks_base + tile) * qk_scale
+        s = tl.dot(q, tl.trans(k))
+        if SCALE_EARLY:
+            s = s * c
         if MASKED:
             visible = cols[None, :] < seq_k
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if SCALE_EARLY:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
         if MASKED:  # a row with no visible key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new_safe = m_new
-        p = tl.exp2(s - m_new_safe[:, None])
+        # P448 = exp2(S - m + log2(448)) = 448 P: the e4m3 cast's fixed scale rides in the exponent's offset
+        offset = m_new_safe - LOG2_448
+        if SCALE_EARLY:
+            p = tl.exp2(s - offset[:, None])
+        else:
+            p = tl.exp2(s * c - offset[:, None])
         alpha = tl.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        p8 = _round_to_e4m3_grid(p * 448.0).to(tl.float8e4nv)  # exact cast: the value is on the e4m3 grid
-        pv = tl.dot(p8, tl.trans(vt))  # (BLOCK_M, BLOCK_DV), fp32
-        acc = acc * alpha[:, None] + pv * (tl.load(vs_base + tile) / 448.0)
+        pv = tl.dot(_to_e4m3(p), tl.trans(vt))  # (BLOCK_M, BLOCK_DV), fp32
+        acc = acc * alpha[:, None] + pv * tl.load(vs_base + tile)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -76,7 +92,8 @@ def attention_fp8_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     seq_q, seq_k, qk_scale,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, SCALE_EARLY: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B).
 
@@ -123,17 +140,17 @@ def attention_fp8_fwd_kernel(
     acc, l_i, m_i = _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base,
                                              stride_kn, stride_vtn, 0, mid, offs_m, offs_n, offs_dk, offs_dv,
                                              seq_k, causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_N,
-                                             False, CAUSAL)
+                                             False, CAUSAL, SCALE_EARLY)
     # stage 2: blocks crossing the diagonal, and the ragged tail of seq_k
     acc, l_i, m_i = _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base,
                                              stride_kn, stride_vtn, mid, hi, offs_m, offs_n, offs_dk, offs_dv,
                                              seq_k, causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_N,
-                                             True, CAUSAL)
+                                             True, CAUSAL, SCALE_EARLY)
 
-    # epilogue: rows that saw no key have acc = 0, l = 0 -> output 0, LSE -inf
+    # epilogue: acc / l (the 448 cancels); rows that saw no key have acc = 0, l = 0 -> output 0, LSE -inf
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe) - LOG2_448)
     row_ok = offs_m < seq_q
     tl.store(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
              + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
@@ -153,7 +170,7 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
     out, lse, done = allocate_outputs(q, k)
     if done:
         return out, lse
-    cfg = configs.fp8_config(max(seq_q, seq_k))
+    cfg = configs.fp8_config(max(seq_q, seq_k), head_dim)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     qk_q = q if rotated_q is None else rotated_q
     qk_k = k if rotated_k is None else rotated_k
@@ -169,6 +186,6 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
         vt8.stride(0), vt8.stride(1), vt8.stride(2), *out.stride(),
         seq_q, seq_k, scale * LOG2E,
         GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.block_d(qk_dim),
-        BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, **cfg)
+        BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, SCALE_EARLY=scale <= 0, **cfg)
     return out, lse
 

@@ -62,34 +62,39 @@ def fixed_config(kernel: str, dtype_is_fp64: bool, block_d: int, seq_len: int) -
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
-# FP8 forward (BLOCK_M, BLOCK_N, num_warps, num_stages): fixed, because the quantisation tiles must equal the
-# kernel's tiles (one scale per tile it loads). The GPU entry is untuned so far (benchmarks/NOTES.md).
-FP8_FWD = (128, 64, 8, 2)
+# FP8 forward (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim (up to 64, 128, 256): fixed, because
+# the quantisation tiles must equal the kernel's tiles (one scale per tile it loads). The fastest of a sweep on
+# the H200 (benchmarks/NOTES.md).
+FP8_FWD = {64: (128, 64, 8, 2), 128: (128, 128, 8, 3), 256: (128, 128, 8, 2)}
 INTERPRET_FP8_FWD = (32, 16, 4, 1)
 INTERPRET_LONG_FP8_FWD = (128, 64, 4, 1)
 
 
-def fp8_config(seq_len: int) -> dict:
-    """Launch parameters of the FP8 forward; ``seq_len`` (the longer of seq_q, seq_k) picks the
-    interpreter's tiles as for the 16-bit kernels."""
+def fp8_config(seq_len: int, head_dim: int) -> dict:
+    """Launch parameters of the FP8 forward for Q/K rows of ``head_dim``; ``seq_len`` (the longer of seq_q,
+    seq_k) picks the interpreter's tiles as for the 16-bit kernels."""
     if INTERPRET:
         block_m, block_n, warps, stages = INTERPRET_LONG_FP8_FWD if seq_len >= INTERPRET_LONG_SEQ else INTERPRET_FP8_FWD
     else:
-        block_m, block_n, warps, stages = FP8_FWD
+        block_m, block_n, warps, stages = FP8_FWD[max(64, block_d(head_dim))]
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
-# FP8 backward: one square tile for every quantised tensor (Q, K, V, dO share their scales' tiling).
-FP8_BWD_BLOCK = 64
-INTERPRET_FP8_BWD_BLOCK = 16
-INTERPRET_LONG_FP8_BWD_BLOCK = 64
+# FP8 backward (BLOCK, num_warps, num_stages): one square tile for every quantised tensor (Q, K, V, dO share
+# their scales' tiling).
+FP8_BWD = (64, 4, 2)
+INTERPRET_FP8_BWD = (16, 4, 1)
+INTERPRET_LONG_FP8_BWD = (64, 4, 1)
 
 
-def fp8_bwd_block(seq_len: int) -> int:
-    """Tile of the FP8 backward kernels (rows of Q, K, V and dO per scale); ``seq_len`` as in fp8_config."""
+def fp8_bwd_config(seq_len: int) -> dict:
+    """Launch parameters of the FP8 backward kernels: BLOCK (rows of Q, K, V and dO per scale), warps and
+    stages; ``seq_len`` as in fp8_config."""
     if INTERPRET:
-        return INTERPRET_LONG_FP8_BWD_BLOCK if seq_len >= INTERPRET_LONG_SEQ else INTERPRET_FP8_BWD_BLOCK
-    return FP8_BWD_BLOCK
+        block, warps, stages = INTERPRET_LONG_FP8_BWD if seq_len >= INTERPRET_LONG_SEQ else INTERPRET_FP8_BWD
+    else:
+        block, warps, stages = FP8_BWD
+    return dict(BLOCK=block, num_warps=warps, num_stages=stages)
 
 
 def _configs(candidates):
@@ -108,6 +113,7 @@ FWD_CANDIDATES = _configs([
     (128, 64, 8, 3),
     (128, 128, 8, 2),
     (64, 64, 4, 2),
+    (128, 128, 8, 3),  # 224 KB of shared memory at D=128 (sm_90 allows 227)
 ])
 FWD_CANDIDATES_WIDE = _configs([
     (64, 64, 4, 2),
@@ -148,6 +154,15 @@ WIDE_HEAD_DIM = 128  # head_dim above this takes the _WIDE lists
 TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "PRECISION", "HAS_KEY_BIAS", "DROPOUT"]
 
 
+def _time_candidate(kernel_call, quantiles):
+    """The autotuner's timing of one candidate. triton.autotune compiles a candidate inside its first timed
+    call, so the GPU idles (and its clocks drop) for the seconds of each compile, right before that
+    candidate's 25 ms of warm-up: at N = 1k, where a kernel runs ~0.25 ms, a cold candidate can lose to a
+    worse one. So: launch once (compile), then 100 ms of warm-up runs, then the usual 100 ms of timed runs."""
+    kernel_call()
+    return triton.testing.do_bench(kernel_call, warmup=100, rep=100, quantiles=quantiles)
+
+
 def autotuned(kernel, candidates, wide_candidates):
     """``kernel`` wrapped in triton.autotune over both lists, pruned to the one for the launch's head_dim;
     tuning results are cached on disk, so they survive restarts."""
@@ -158,7 +173,7 @@ def autotuned(kernel, candidates, wide_candidates):
         return [c for c in configs if (id(c) in wide_ids) == wide]
 
     return triton.autotune(configs=[*candidates, *wide_candidates], key=TUNE_KEY, cache_results=True,
-                           prune_configs_by={"early_config_prune": for_head_dim})(kernel)
+                           prune_configs_by={"early_config_prune": for_head_dim}, do_bench=_time_candidate)(kernel)
 
 
 _forced: dict[str, dict] = {}
@@ -178,15 +193,28 @@ def forced_configs(**per_kernel: triton.Config):
         _forced.update(saved)
 
 
+# The autotuner's pick per launch key, looked up before triton.autotune's own: the Autotuner builds its key
+# on every call from a dict of all ~40 arguments and str() of each tensor's dtype, which was the largest single
+# item of the forward's host time on the GPU box (165 us per call; benchmarks/NOTES.md), and a short kernel
+# (N = 1k) waits for the host. The key here holds everything the autotuner's does (meta-parameters, the
+# sequence bucket, every tensor's dtype), so it never reuses a pick across the autotuner's keys.
+_picks: dict[tuple, dict] = {}
+
+
 def launch(name: str, tuned, kernel, grid_fn, args, dtype: torch.dtype, seq_len: int, **meta):
-    """Launch ``kernel`` ('fwd', 'dkdv' or 'dq') with a fixed config (interpreter, fp64, forced) or
-    through ``tuned``, its autotuned wrapper. ``grid_fn`` maps the config's meta-parameters to a grid;
+    """Launch ``kernel`` ('fwd', 'dkdv' or 'dq') with a fixed config (interpreter, fp64, forced) or with the
+    config ``tuned``, its autotuned wrapper, picks (the first launch of a key tunes, later ones reuse the pick).
+    ``args`` ends with the SEQ_BUCKET key; ``grid_fn`` maps the config's meta-parameters to a grid;
     ``seq_len`` (the longer of seq_q, seq_k) picks the interpreter's tiles."""
     if name in _forced:
         cfg = _forced[name]
     elif INTERPRET or dtype == torch.float64:
         cfg = fixed_config(name, dtype == torch.float64, meta["BLOCK_D"], seq_len)
     else:
-        tuned[grid_fn](*args, **meta)
-        return
+        key = (name, args[-1], *(a.dtype for a in args if isinstance(a, torch.Tensor)), *meta.items())
+        cfg = _picks.get(key)
+        if cfg is None:
+            tuned[grid_fn](*args, **meta)
+            _picks[key] = tuned.best_config.all_kwargs()
+            return
     kernel[grid_fn(cfg)](*args, **meta, **cfg)

@@ -113,22 +113,23 @@ def attention_jobs(dtype="bf16", quick=False):
 
 def fp8_jobs(dtype="bf16"):
     fp8 = "*fp8e4nv"
-    fwd = configs.fp8_config(1 << 20)
-    block = configs.fp8_bwd_block(1 << 20)
+    bwd = configs.fp8_bwd_config(1 << 20)
     for head_dim in (64, 128, 256):
+        fwd = configs.fp8_config(1 << 20, head_dim)
         for causal in (False, True):
             yield (f"fp8 fwd D={head_dim} causal={causal}", attention_fp8_fwd_kernel,
                    {"Q8": fp8, "K8": fp8, "VT8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "O": f"*{dtype}",
                     "LSE": "*fp32"},
                    dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
-                        CAUSAL=causal, BLOCK_M=fwd["BLOCK_M"], BLOCK_N=fwd["BLOCK_N"]),
+                        CAUSAL=causal, SCALE_EARLY=False, BLOCK_M=fwd["BLOCK_M"], BLOCK_N=fwd["BLOCK_N"]),
                    fwd["num_warps"], fwd["num_stages"])
             bwd_ptr = {"Q8": fp8, "K8": fp8, "V8": fp8, "DO8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
                        "DOS": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DK": "*fp32", "DV": "*fp32", "DQ": "*fp32"}
             meta = dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
-                        CAUSAL=causal, BLOCK=block)
-            yield (f"fp8 dkdv D={head_dim} causal={causal}", attention_fp8_bwd_dkdv_kernel, bwd_ptr, meta, 4, 2)
-            yield (f"fp8 dq D={head_dim} causal={causal}", attention_fp8_bwd_dq_kernel, bwd_ptr, meta, 4, 2)
+                        CAUSAL=causal, BLOCK=bwd["BLOCK"])
+            for name, kernel in (("dkdv", attention_fp8_bwd_dkdv_kernel), ("dq", attention_fp8_bwd_dq_kernel)):
+                yield (f"fp8 {name} D={head_dim} causal={causal}", kernel, bwd_ptr, meta, bwd["num_warps"],
+                       bwd["num_stages"])
         yield (f"fp8 quantize D={head_dim}", fp8_quantize_kernel, {"X": f"*{dtype}", "Q": fp8, "S": "*fp32"},
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=64), 4, 2)
         yield (f"hadamard D={head_dim}", hadamard_kernel, {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}"},

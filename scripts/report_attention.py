@@ -8,7 +8,10 @@ it wins, so a partial re-run (e.g. ``--main-grid-only``) updates the points it m
 the caption names every file and what it contributed.
 
 Prints markdown tables; with --readme, replaces the text between the README's
-``<!-- attention-benchmark:start -->`` and ``<!-- attention-benchmark:end -->`` markers.
+``<!-- attention-benchmark:start -->`` and ``<!-- attention-benchmark:end -->`` markers. With --fp8, the table
+is FP8 against flashtrain's bf16 path instead (between ``<!-- fp8-benchmark:start -->`` and ``...:end -->``):
+
+    python scripts/report_attention.py benchmarks/results/attention_fp8_h200_2026-11-29.csv --fp8 --readme README.md
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pandas as pd
 SPEED_PROVIDERS = ["flashtrain", "flashtrain_fp8_fwd", "flashtrain_fp8", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
 MEMORY_PROVIDERS = ["flashtrain", "sdpa", "eager"]
 START, END = "<!-- attention-benchmark:start -->", "<!-- attention-benchmark:end -->"
+FP8_START, FP8_END = "<!-- fp8-benchmark:start -->", "<!-- fp8-benchmark:end -->"
 
 
 KEY = ["provider", "dtype", "D", "N", "B", "H", "H_kv", "causal", "mode"]
@@ -93,6 +97,39 @@ def memory_table(df):
     return "\n".join(lines)
 
 
+def flex_note(df):
+    """Where Flex was timed (it recompiles per shape, so a run may time it on some sequence lengths only)."""
+    flex = df[(df["provider"] == "flex") & (df["mode"] == "fwd")]
+    if flex.empty:
+        return "Flex was not timed."
+    seqs = ", ".join(f"{n // 1024}k" for n in sorted(flex["N"].unique()))
+    return f"Flex (compiled once per shape) was timed at N = {seqs}, head_dim up to 128."
+
+
+def fp8_table(df):
+    """FP8 against flashtrain's bf16 path, same run: forward (fp8="forward"/"full" share it) and the backward
+    of "full"; ratios to bf16 in parentheses."""
+    speed = df[df["mode"].isin(["fwd", "bwd"]) & (df["status"] == "ok")]
+    lines = ["| D | N | B x H (H_kv) | causal | bf16 fwd | FP8 fwd | bf16 bwd | FP8 bwd (\"full\") |",
+             "|---|---|---|---|---|---|---|---|"]
+    keys = speed[["D", "N", "B", "H", "H_kv", "causal"]].drop_duplicates()
+    for _, key in keys.sort_values(["H_kv", "D", "N", "causal"], ascending=[False, True, True, True]).iterrows():
+        sel = speed[(speed[["D", "N", "B", "H", "H_kv", "causal"]] == key.values).all(axis=1)]
+
+        def tflops(provider, mode):
+            row = sel[(sel["provider"] == provider) & (sel["mode"] == mode)]
+            return None if row.empty else float(row["tflops"].iloc[0])
+
+        fwd16, bwd16 = tflops("flashtrain", "fwd"), tflops("flashtrain", "bwd")
+        fwd8, bwd8 = tflops("flashtrain_fp8_fwd", "fwd"), tflops("flashtrain_fp8", "bwd")
+        if None in (fwd16, bwd16, fwd8, bwd8):
+            continue
+        heads = f"{key.H}" if key.H == key.H_kv else f"{key.H} ({key.H_kv})"
+        lines.append(f"| {key.D} | {key.N} | {key.B} x {heads} | {'yes' if key.causal else 'no'} | {fwd16:.0f} | "
+                     f"{fwd8:.0f} ({fwd8 / fwd16:.2f}x) | {bwd16:.0f} | {bwd8:.0f} ({bwd8 / bwd16:.2f}x) |")
+    return "\n".join(lines)
+
+
 def plot(df, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -141,13 +178,20 @@ def main(argv=None):
     parser.add_argument("csv", nargs="+", help="bench_attention CSVs, oldest first")
     parser.add_argument("--plot", help="write a PNG here")
     parser.add_argument("--readme", help="refresh this README's benchmark section")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 table (flashtrain_fp8* against flashtrain)")
     args = parser.parse_args(argv)
     df = load(args.csv)
     first = df.iloc[0]
-    text = (f"{first.gpu}, torch {first.torch}, triton {first.triton}; raw rows: {provenance(df)}. TFLOP/s, forward / backward (forward FLOPs 4*B*H*N*N*D, half when "
-            "causal; backward 2.5x), medians of `triton.testing.do_bench`. Flex was timed at N = 4k and 16k "
-            "only (it recompiles per shape). `RuntimeError`: SDPA's efficient backend needs as many KV heads "
-            "as query heads (no GQA).\n\n" + speed_table(df)
+    source = (f"{first.gpu}, torch {first.torch}, triton {first.triton}; raw rows: {provenance(df)}. TFLOP/s "
+              "(forward FLOPs 4*B*H*N*N*D, half when causal; backward 2.5x), medians of `triton.testing.do_bench`.")
+    if args.fp8:
+        text = source + " FP8 with the Hadamard rotation (the default).\n\n" + fp8_table(df)
+        print(text)
+        if args.readme:
+            replace_section(args.readme, FP8_START, FP8_END, text)
+        return
+    text = (source + " Forward / backward. " + flex_note(df) + " `RuntimeError`: SDPA's efficient backend needs "
+            "as many KV heads as query heads (no GQA).\n\n" + speed_table(df)
             + "\n\nPeak memory of forward + backward beyond the inputs, GiB (B=1, H=16, D=128, causal, bf16):\n\n"
             + memory_table(df))
     print(text)
@@ -155,14 +199,19 @@ def main(argv=None):
         plot(df, args.plot)
         text += f"\n\n![attention benchmark]({args.plot})"
     if args.readme:
-        with open(args.readme) as f:
-            readme = f.read()
-        if START not in readme or END not in readme:
-            raise SystemExit(f"{args.readme} has no {START} ... {END} section")
-        readme = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: f"{START}\n{text}\n{END}", readme,
-                        flags=re.S)
-        with open(args.readme, "w") as f:
-            f.write(readme)
+        replace_section(args.readme, START, END, text)
+
+
+def replace_section(path, start, end, text):
+    """Replace the text between the markers ``start`` and ``end`` in the file at ``path``."""
+    with open(path) as f:
+        readme = f.read()
+    if start not in readme or end not in readme:
+        raise SystemExit(f"{path} has no {start} ... {end} section")
+    readme = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{text}\n{end}", readme,
+                    flags=re.S)
+    with open(path, "w") as f:
+        f.write(readme)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def make(shape, device, dtype=torch.float16, requires_grad=False, seed=0):
 
 def simulated(q, k, v, causal, hadamard):
     """The float64 simulation with the kernel's tiles and rotation signs."""
-    cfg = configs.fp8_config(max(q.shape[2], k.shape[2]))
+    cfg = configs.fp8_config(max(q.shape[2], k.shape[2]), q.shape[-1])
     signs = _rotation_signs(q.shape[-1], q.device) if hadamard else None
     return fp8_attention_ref(q, k, v, causal=causal, scheme="block+hadamard" if hadamard else "block",
                              block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"], signs=signs)
@@ -96,7 +96,7 @@ def test_full_backward(shape, causal, hadamard, device):
     dout = make(shape, device, seed=1)[0]
     out, lse = flash_attention(q, k, v, causal=causal, fp8="full", hadamard=hadamard, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    block = configs.fp8_bwd_block(max(q.shape[2], k.shape[2]))
+    block = configs.fp8_bwd_config(max(q.shape[2], k.shape[2]))["BLOCK"]
     signs = _rotation_signs(q.shape[-1], q.device) if hadamard else None
     sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, causal=causal, block=block, signs=signs)
     ref = attention_ref(q, k, v, causal=causal)[0]
@@ -148,7 +148,7 @@ def test_scale_argument(device):
     q, k, v = make((1, 2, 1, 21, 33, 24), device)
     out = flash_attention(q, k, v, fp8="forward", scale=0.3)
     exact = attention_ref(q, k, v, scale=0.3)[0].double()
-    sim = fp8_attention_ref(q, k, v, scale=0.3, block_m=configs.fp8_config(33)["BLOCK_M"],
-                            block_n=configs.fp8_config(33)["BLOCK_N"], signs=_rotation_signs(24, q.device))
+    sim = fp8_attention_ref(q, k, v, scale=0.3, block_m=configs.fp8_config(33, 24)["BLOCK_M"],
+                            block_n=configs.fp8_config(33, 24)["BLOCK_N"], signs=_rotation_signs(24, q.device))
     assert rel_error(out, exact) <= 1.1 * rel_error(sim, exact) + 1e-3
     assert not math.isclose(rel_error(out, exact), 0.0)

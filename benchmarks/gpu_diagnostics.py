@@ -1,0 +1,192 @@
+"""GPU diagnostics behind benchmarks/NOTES.md (third session): the N=1k causal forward taken apart (repeats,
+no_grad, every forward candidate, a CUDA-graph replay, SDPA flash), host time per call, and tile sweeps of the
+FP8 forward and backward against the bf16 kernels. Prints JSON lines and a summary; writes diag1.json and a
+host profile to $OUT. Needs a CUDA GPU.
+
+    OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from flashtrain import flash_attention
+from flashtrain.kernels import configs
+
+OUT = os.environ.get("OUT", "/tmp")
+rows = []
+section = sys.argv[1:] or ["short", "host", "fp8fwd", "fp8bwd"]
+
+
+def log(**r):
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+
+
+def tf(B, H, N, D, causal, ms, bwd=False):
+    f = 4 * B * H * N * N * D * (0.5 if causal else 1.0) * (2.5 if bwd else 1.0)
+    return round(f / ms / 1e9, 1)
+
+
+def rnd(B, H, N, D, grad=False):
+    return [torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3)]
+
+
+# warm the GPU
+x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+t0 = time.time()
+while time.time() - t0 < 2:
+    x @ x
+torch.cuda.synchronize()
+
+if "short" in section:
+    for D, B, H in ((64, 16, 32), (128, 16, 16)):
+        N = 1024
+        q, k, v = rnd(B, H, N, D, grad=True)
+        for rep in range(3):
+            ms = do_bench(lambda: flash_attention(q, k, v, causal=True), warmup=100, rep=300, return_mode="median")
+            log(sec="short", what=f"bench-like grad rep{rep}", D=D, ms=ms, tf=tf(B, H, N, D, True, ms))
+        with torch.no_grad():
+            ms = do_bench(lambda: flash_attention(q, k, v, causal=True), warmup=100, rep=300, return_mode="median")
+            log(sec="short", what="no_grad", D=D, ms=ms, tf=tf(B, H, N, D, True, ms))
+            for cfg in configs.FWD_CANDIDATES:
+                with configs.forced_configs(fwd=cfg):
+                    ms = do_bench(lambda: flash_attention(q, k, v, causal=True), warmup=100, rep=300,
+                                  return_mode="median")
+                log(sec="short", what=f"forced {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}", D=D, ms=ms,
+                    tf=tf(B, H, N, D, True, ms))
+            # CUDA graph: no host in the timed loop
+            qs, ks, vs = (t.detach().clone() for t in (q, k, v))
+            flash_attention(qs, ks, vs, causal=True)
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                flash_attention(qs, ks, vs, causal=True)
+                with torch.cuda.graph(g, stream=s):
+                    flash_attention(qs, ks, vs, causal=True)
+            torch.cuda.current_stream().wait_stream(s)
+            ms = do_bench(lambda: g.replay(), warmup=100, rep=300, return_mode="median")
+            log(sec="short", what="cuda graph", D=D, ms=ms, tf=tf(B, H, N, D, True, ms))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), warmup=100, rep=300,
+                              return_mode="median")
+            log(sec="short", what="sdpa flash no_grad", D=D, ms=ms, tf=tf(B, H, N, D, True, ms))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), warmup=100, rep=300,
+                          return_mode="median")
+        log(sec="short", what="sdpa flash grad", D=D, ms=ms, tf=tf(B, H, N, D, True, ms))
+        ms = do_bench(lambda: flash_attention(q, k, v, causal=True), warmup=100, rep=300, return_mode="median")
+        log(sec="short", what="bench-like grad after sdpa", D=D, ms=ms, tf=tf(B, H, N, D, True, ms))
+        del q, k, v
+
+if "host" in section:
+    q, k, v = rnd(1, 1, 128, 64, grad=True)
+    for name, fn in (("flash grad", lambda: flash_attention(q, k, v, causal=True)),
+                     ("sdpa grad", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        host = (time.perf_counter() - t) / 2000 * 1e6
+        torch.cuda.synchronize()
+        log(sec="host", what=name, us_per_call=round(host, 1))
+    with torch.no_grad():
+        for _ in range(50):
+            flash_attention(q, k, v, causal=True)
+        t = time.perf_counter()
+        for _ in range(2000):
+            flash_attention(q, k, v, causal=True)
+        log(sec="host", what="flash no_grad", us_per_call=round((time.perf_counter() - t) / 2000 * 1e6, 1))
+    out = flash_attention(q, k, v, causal=True)
+    g = torch.randn_like(out)
+    for _ in range(20):
+        out.backward(g, retain_graph=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(1000):
+        out.backward(g, retain_graph=True)
+    log(sec="host", what="flash bwd", us_per_call=round((time.perf_counter() - t) / 1000 * 1e6, 1))
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(2000):
+        flash_attention(q, k, v, causal=True)
+    pr.disable()
+    with open(f"{OUT}/host_profile.txt", "w") as fh:
+        pstats.Stats(pr, stream=fh).sort_stats("tottime").print_stats(30)
+
+FP8_FWD_SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 3),
+                 (64, 64, 4, 3), (128, 32, 4, 3), (256, 64, 8, 2)]
+if "fp8fwd" in section:
+    from flashtrain.kernels.fp8_quant import fp8_quantize
+    for D in (128, 64, 256):
+        for N in (4096, 16384):
+            B, H = 16384 // N, 2048 // D
+            q, k, v = rnd(B, H, N, D)
+            for causal in (False, True):
+                with torch.no_grad():
+                    ms16 = do_bench(lambda: flash_attention(q, k, v, causal=causal), warmup=50, rep=200,
+                                    return_mode="median")
+                    log(sec="fp8fwd", what="bf16 flash", D=D, N=N, causal=causal, ms=ms16,
+                        tf=tf(B, H, N, D, causal, ms16))
+                    default_fwd = dict(configs.FP8_FWD)
+                    for cfg in (FP8_FWD_SWEEP if D == 128 else FP8_FWD_SWEEP[:3]):
+                        configs.FP8_FWD = {dim: cfg for dim in default_fwd}
+                        try:
+                            for had in ((True, False) if cfg == FP8_FWD_SWEEP[0] else (True,)):
+                                ms = do_bench(lambda: flash_attention(q, k, v, causal=causal, fp8="forward",
+                                                                      hadamard=had),
+                                              warmup=50, rep=200, return_mode="median")
+                                log(sec="fp8fwd", what=f"fp8 {cfg} hadamard={had}", D=D, N=N, causal=causal,
+                                    ms=ms, tf=tf(B, H, N, D, causal, ms), x_bf16=round(ms16 / ms, 3))
+                        except Exception as e:  # noqa: BLE001
+                            log(sec="fp8fwd", what=f"fp8 {cfg}", D=D, N=N, causal=causal,
+                                error=repr(e)[:300])
+                    configs.FP8_FWD = default_fwd
+                    ms = do_bench(lambda: fp8_quantize(q, 128), warmup=20, rep=100, return_mode="median")
+                    log(sec="fp8fwd", what="quantize one tensor", D=D, N=N, ms=ms)
+            del q, k, v
+
+FP8_BWD_SWEEP = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 3), (128, 8, 1), (32, 4, 2)]
+if "fp8bwd" in section:
+    for D in (128, 64):
+        for N in (4096, 16384):
+            B, H = 16384 // N, 2048 // D
+            q, k, v = rnd(B, H, N, D, grad=True)
+            dout = torch.randn_like(q)
+            default_bwd = configs.FP8_BWD
+            for causal in (False, True):
+                out = flash_attention(q, k, v, causal=causal)
+                ms16 = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=50, rep=200,
+                                grad_to_none=[q, k, v], return_mode="median")
+                log(sec="fp8bwd", what="bf16 flash bwd", D=D, N=N, causal=causal, ms=ms16,
+                    tf=tf(B, H, N, D, causal, ms16, bwd=True))
+                for cfg in FP8_BWD_SWEEP:
+                    configs.FP8_BWD = cfg
+                    try:
+                        out8 = flash_attention(q, k, v, causal=causal, fp8="full")
+                        ms = do_bench(lambda: out8.backward(dout, retain_graph=True), warmup=50, rep=200,
+                                      grad_to_none=[q, k, v], return_mode="median")
+                        log(sec="fp8bwd", what=f"fp8 full bwd {cfg}", D=D, N=N, causal=causal, ms=ms,
+                            tf=tf(B, H, N, D, causal, ms, bwd=True), x_bf16=round(ms16 / ms, 3))
+                    except Exception as e:  # noqa: BLE001
+                        log(sec="fp8bwd", what=f"fp8 full bwd {cfg}", D=D, N=N, causal=causal, error=repr(e)[:300])
+                configs.FP8_BWD = default_bwd
+            del q, k, v
+
+with open(f"{OUT}/diag1.json", "w") as fh:
+    json.dump(rows, fh, indent=1)
+print("\n=== summary ===")
+for r in rows:
+    print(r.get("sec"), r.get("what"), r.get("D"), r.get("N"), r.get("causal"), r.get("ms"), r.get("tf"),
+          r.get("x_bf16"), r.get("us_per_call"), r.get("error", ""))
