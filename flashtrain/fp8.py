@@ -6,8 +6,9 @@ Numerics:
 * Format: e4m3 (``torch.float8_e4m3fn``): 4 exponent bits, 3 mantissa bits, largest finite value 448,
   relative rounding error at most 2^-4 for normal values, absolute spacing 2^-9 below 2^-6 (subnormals).
 * Scales: one float32 scale per (batch, head, tile of rows), the tile the attention kernel loads:
-  scale = amax(|tile|) / 448, so every tile uses the whole e4m3 range and nothing overflows. An all-zero
-  tile gets scale 1 and quantises to zeros (no NaN). Dequantisation is q * scale.
+  scale = amax(|tile|) / 448 rounded up to a power of two, so the tile's largest value lands in (224, 448]
+  and nothing overflows; being a power of two, q * scale is exact in bfloat16 (see ``fp8="forward"``). An
+  all-zero tile gets scale 1 and quantises to zeros (no NaN). Dequantisation is q * scale.
 * Rounding: round to nearest, ties to even, bit-identical to torch's own conversion: the GPU's cast does it,
   and in Triton's interpreter ``flashtrain.kernels.fp8_quant`` rounds onto the e4m3 grid before the cast.
 * Incoherent processing: Q and K are multiplied by the same orthogonal matrix M = diag(signs) H / sqrt(d')
@@ -22,9 +23,10 @@ Numerics:
   running max), in [0, 1], is rounded to e4m3 with the fixed scale 448 (1 -> 448) for P8 V8, whose fp32
   product is scaled by v_scale / 448; the row sum is of the unrounded P. Output = acc / rowsum, cast to the
   input dtype; the LSE (fp32) is saved.
-* ``fp8="forward"``: the backward is the 16-bit one, from the saved high-precision q, k, v, the FP8 forward's
-  output and its LSE. So the gradients are those of exact attention evaluated at an output and normaliser
-  carrying FP8 error (relative ~1e-2, see the tests), not the derivative of the FP8 computation.
+* ``fp8="forward"``: the backward runs the 16-bit kernels on the scores the forward computed: Q and K are
+  rotated and quantised again as in the forward and dequantised (exact in the input dtype), so P recomputed
+  from them and the forward's LSE is the forward's P (rows sum to one); V, dO and the forward's output enter
+  unquantised. The gradient passes straight through the quantisation (and back through the rotation).
 * ``fp8="full"`` (``flashtrain.kernels.attention_fp8_bwd``): Q, K (rotated again, in the input dtype), V and dO
   are quantised per tile of one BLOCK (64 rows on the GPU); P is recomputed from the FP8 Q K^T and the
   forward's LSE; dV = P8^T dO8 (P8 with the fixed scale 448), dP = dO8 V8^T, dS = P (dP - delta) in fp32
@@ -46,11 +48,11 @@ import functools
 import torch
 from torch import Tensor
 
-from .attention import _attention_bwd_op
+from .kernels.attention_bwd import attention_bwd
 from .kernels.attention_fp8_bwd import attention_fp8_bwd
-from .kernels.attention_fp8_fwd import attention_fp8_fwd
+from .kernels.attention_fp8_fwd import attention_fp8_fwd, fp8_tiles
 from .kernels.attention_fwd import LOG2E
-from .kernels.fp8_quant import fp8_quantize
+from .kernels.fp8_quant import fp8_dequantize, fp8_quantize
 from .kernels.hadamard import hadamard, padded_dim
 
 __all__ = ["fp8_quantize", "hadamard_transform", "random_signs", "padded_dim", "FP8_MODES"]
@@ -123,8 +125,44 @@ def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 
 
 @_attention_fp8_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate):  # the kernels' outputs are contiguous
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("flashtrain::attention_fp8_forward_bwd", mutates_args=())
+def _attention_fp8_forward_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                  dlse: Tensor | None, causal: bool, scale: float,
+                                  rotate: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """fp8="forward": the 16-bit backward kernels, on the scores the FP8 forward computed.
+
+    Q and K are rotated and quantised again exactly as in the forward, and dequantised, which is exact in the
+    input dtype (power-of-two tile scales). So the backward's recomputed probabilities are the forward's, and
+    each row sums to one under the forward's LSE. Recomputing them from the unquantised Q and K instead
+    (the first version) let rows sum to exp(LSE_exact - LSE_fp8), 0.3-2.3 on logits 8x sharper than N(0, 1)
+    inputs', and gpt2-small training diverged after ~180 steps (benchmarks/NOTES.md). The gradient passes
+    straight through the quantisation and back through the rotation; dV and dP use the unquantised V and dO.
+    """
+    head_dim = q.shape[-1]
+    signs = _rotation_signs(head_dim, q.device) if rotate else None
+    block_m, block_n = fp8_tiles(q, k)
+    scored = []
+    for x, block in ((q, block_m), (k, block_n)):
+        x_scores = hadamard(x, signs) if rotate else x
+        scored.append(fp8_dequantize(*fp8_quantize(x_scores, block), block, x.dtype))
+    q_scores, k_scores = scored
+    pad = q_scores.shape[-1] - head_dim  # the rotation's width, when head_dim is not a power of two
+    if pad:
+        v, out, dout = (torch.nn.functional.pad(t, (0, pad)) for t in (v, out, dout))
+    dq, dk, dv = attention_bwd(dout, q_scores, k_scores, v, out, lse, dlse, causal, scale)
+    if rotate:
+        dq = hadamard(dq, signs, inverse=True, out_dim=head_dim)
+        dk = hadamard(dk, signs, inverse=True, out_dim=head_dim)
+    return dq.contiguous(), dk.contiguous(), dv[..., :head_dim].contiguous()  # contiguous, as the fake says
+
+
+@_attention_fp8_forward_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -135,13 +173,11 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse2):
-    """fp8="forward": the 16-bit backward kernels on the saved inputs; fp8="full": the FP8 ones."""
+    """fp8="forward": the 16-bit backward kernels on the forward's scores; fp8="full": the FP8 kernels."""
     q, k, v, out, lse2 = ctx.saved_tensors
     dlse = None if dlse2 is None else dlse2 * LOG2E
-    if ctx.fp8_backward:
-        dq, dk, dv = _attention_fp8_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate)
-    else:
-        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, None, 0.0, None)
+    backward = _attention_fp8_bwd_op if ctx.fp8_backward else _attention_fp8_forward_bwd_op
+    dq, dk, dv = backward(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate)
     return dq, dk, dv, None, None, None, None
 
 

@@ -58,9 +58,14 @@ def fp8_quantize_ref(x: torch.Tensor, block_n: int):
     padded[:, :, :seq] = x.float()
     padded = padded.view(batch, heads, tiles, block_n, head_dim)
     amax = padded.abs().amax(dim=(-1, -2))  # (B, H, tiles)
-    scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    scales = torch.where(amax > 0, pow2_at_least(amax / 448.0), torch.ones_like(amax))
     q = (padded / scales[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(batch, heads, tiles * block_n, head_dim)[:, :, :seq], scales
+
+
+def pow2_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= x (float32, x > 0), elementwise."""
+    return torch.exp2(torch.ceil(torch.log2(x.double()))).float()
 
 
 def fp8_dequantize_ref(q: torch.Tensor, scales: torch.Tensor, block_n: int) -> torch.Tensor:

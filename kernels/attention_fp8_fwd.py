@@ -171,7 +171,7 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
     if done:
         return out, lse
     cfg = configs.fp8_config(max(seq_q, seq_k), head_dim)
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    block_m, block_n = fp8_tiles(q, k)
     qk_q = q if rotated_q is None else rotated_q
     qk_k = k if rotated_k is None else rotated_k
     q8, q_scales = fp8_quantize(qk_q, block_m)
@@ -189,3 +189,8 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
         BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, SCALE_EARLY=scale <= 0, **cfg)
     return out, lse
 
+
+def fp8_tiles(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    """(rows per Q tile, rows per K/V tile) of the FP8 forward for these inputs: one scale per tile."""
+    cfg = configs.fp8_config(max(q.shape[2], k.shape[2]), q.shape[3])
+    return cfg["BLOCK_M"], cfg["BLOCK_N"]

@@ -1,8 +1,12 @@
 """Per-tile FP8 (e4m3) quantisation for the FP8 attention path.
 
-One scale per (batch, head, tile of BLOCK_N rows): scale = amax(|x_tile|) / 448 (448: e4m3's largest
-finite value), q = round_e4m3(x / scale), so x ~= q * scale. An all-zero tile gets scale 1 (no 0/0) and
-quantises to zeros. Tails (seq not a multiple of BLOCK_N) take the amax of their valid rows only.
+One scale per (batch, head, tile of BLOCK_N rows): scale = amax(|x_tile|) / 448 (448: e4m3's largest finite
+value) rounded up to a power of two, q = round_e4m3(x / scale), so x ~= q * scale and the tile's largest
+value lands in (224, 448]. e4m3 is a floating-point format, so the power of two costs no relative precision
+(only the subnormal floor moves, by at most one binade); in exchange q * scale is exact in bfloat16 (and in
+float16 above its subnormal range), which lets the backward of ``fp8="forward"`` recompute exactly the
+forward's scores from 16-bit operands. An all-zero tile gets scale 1 (no 0/0) and quantises to zeros. Tails
+(seq not a multiple of BLOCK_N) take the amax of their valid rows only.
 
 Rounding is to nearest even on the e4m3 grid (3 mantissa bits; spacing 2^-9 below 2^-6, e4m3's subnormals),
 the same as torch's ``.to(torch.float8_e4m3fn)``. On the GPU the cast does it (``cvt.rn.satfinite``). Triton's
@@ -52,6 +56,13 @@ def _to_e4m3(x):
 
 
 @triton.jit
+def _pow2_at_least(x):
+    """The smallest power of two >= x, for fp32 x > 0: round the exponent up unless the mantissa is zero."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)  # 0x7F800000: the exponent field
+
+
+@triton.jit
 def fp8_quantize_kernel(
     X, Q, S,
     stride_xb, stride_xh, stride_xn, stride_xd,
@@ -72,7 +83,7 @@ def fp8_quantize_kernel(
     x = tl.load(X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
                 + rows[:, None] * stride_xn + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), 1), 0)
-    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)  # 448: e4m3's largest finite value
+    scale = tl.where(amax > 0.0, _pow2_at_least(amax / 448.0), 1.0)  # 448: e4m3's largest finite value
     q = _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
     head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
     tl.store(Q + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], q, mask=mask)
@@ -96,3 +107,10 @@ def fp8_quantize(x: torch.Tensor, block_n: int):
         fp8_quantize_kernel[(triton.cdiv(seq, block_n), heads, batch)](
             x, q, scales, *x.stride(), seq, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_N=block_n)
     return q, scales
+
+
+def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, block_n: int, dtype: torch.dtype) -> torch.Tensor:
+    """q (B, H, N, D) e4m3 times its tiles' scales, in ``dtype``: exact in bfloat16 (power-of-two scales) and in
+    float16 down to its subnormal range."""
+    row_scales = scales.repeat_interleave(block_n, dim=-1)[..., : q.shape[2], None]
+    return (q.float() * row_scales).to(dtype)

@@ -53,3 +53,26 @@ def test_eager_path_and_custom_ops_agree_bitwise(device):
         assert torch.equal(a, b)
     only_lse = flash_attention(q, k, v, return_lse=True)[1].sum()  # the output unused: its gradient is None
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(only_lse, (q, k, v)))
+
+
+def test_compile_fullgraph_fp8(device):
+    """The FP8 path compiles without a graph break too (its forward and both backwards are custom ops) and
+    gives eager mode's bits."""
+    gen = torch.Generator().manual_seed(2)
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    inputs = [torch.randn(1, 33, 2, 40, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+              for _ in range(3)]
+    dout = torch.randn(1, 33, 2, 40, generator=gen).to(device=device, dtype=dtype)
+    for mode in ("forward", "full"):
+        torch._dynamo.reset()
+
+        def fp8_attention(x_q, x_k, x_v):
+            out = flash_attention(x_q.transpose(1, 2), x_k.transpose(1, 2), x_v.transpose(1, 2), causal=True,
+                                  fp8=mode)
+            return out.transpose(1, 2)
+
+        eager = fp8_attention(*inputs)
+        compiled = torch.compile(fp8_attention, fullgraph=True)(*inputs)
+        assert torch.equal(compiled, eager), mode
+        for c, e in zip(torch.autograd.grad(compiled, inputs, dout), torch.autograd.grad(eager, inputs, dout)):
+            assert torch.equal(c, e), mode
