@@ -12,6 +12,9 @@ Q, K, V and dO are quantised once, all in tiles of the same BLOCK rows, so both 
 scales; a dS tile is quantised the same way in both (its amax does not depend on the orientation). dQ and
 dK come out in the rotated space when the forward rotated Q and K; the caller maps them back.
 
+The products that reduce over the sequence (dV, dK, dQ) read Q, K and dO from transposed copies, so every
+FP8 tensor-core operand has its reduced dim contiguous and every tile in the loops is a pipelined async copy.
+
 Two kernels as in the 16-bit backward, no atomics: ``attention_fp8_bwd_dkdv_kernel`` (key tile resident,
 GQA group summed in registers) and ``attention_fp8_bwd_dq_kernel`` (query tile resident). Causal tiles
 above the diagonal are skipped.
@@ -39,8 +42,15 @@ def _quantize_tile(x):
 
 
 @triton.jit
+def _load_cols(base, cols, seq, offs_d, DIM: tl.constexpr):
+    """(BLOCK_D, BLOCK) tile of a transposed (DIM, seq) matrix at ``base``: columns ``cols``, zero-padded."""
+    return tl.load(base + offs_d[:, None] * seq + cols[None, :], mask=(offs_d[:, None] < DIM) & (cols[None, :] < seq),
+                   other=0.0)
+
+
+@triton.jit
 def attention_fp8_bwd_dkdv_kernel(
-    Q8, QS, K8, KS, V8, VS, DO8, DOS, LSE, DELTA, DK, DV,
+    Q8, QT8, QS, K8, KT8, KS, V8, VS, DO8, DOT8, DOS, LSE, DELTA, DK, DV,
     seq_q, seq_k, qk_scale, sm_scale,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
@@ -49,8 +59,10 @@ def attention_fp8_bwd_dkdv_kernel(
 
     Q8 (B, H_q, seq_q, QK_DIM), K8 (B, H_kv, seq_k, QK_DIM), V8 (B, H_kv, seq_k, HEAD_DIM), DO8 (B, H_q,
     seq_q, HEAD_DIM): e4m3, contiguous, with fp32 scales QS, KS, VS, DOS per (batch, head, tile of BLOCK
-    rows). LSE (log2 domain), DELTA: (B, H_q, seq_q) fp32. DK (B, H_kv, seq_k, QK_DIM) and DV (B, H_kv,
-    seq_k, HEAD_DIM): fp32, contiguous.
+    rows). QT8, KT8, DOT8: the same Q8, K8, DO8 transposed, (B, H, dim, seq), for the products that reduce over
+    the sequence (FP8 tensor cores read both operands with the reduced dim contiguous; from Q8 itself Triton
+    stages the tile through registers into a second shared-memory layout, unpipelined). LSE (log2 domain),
+    DELTA: (B, H_q, seq_q) fp32. DK (B, H_kv, seq_k, QK_DIM) and DV (B, H_kv, seq_k, HEAD_DIM): fp32, contiguous.
     """
     pid_n = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -88,6 +100,8 @@ def attention_fp8_bwd_dkdv_kernel(
                            rows, seq_q, offs_dk, QK_DIM, BLOCK_DK, True)
             do = _load_rows(DO8 + (head_q * seq_q + rows[:, None]) * HEAD_DIM + offs_dv[None, :],
                             rows, seq_q, offs_dv, HEAD_DIM, BLOCK_DV, True)
+            qt = _load_cols(QT8 + head_q * QK_DIM * seq_q, rows, seq_q, offs_dk, QK_DIM)  # (BLOCK_DK, BLOCK)
+            do_t = _load_cols(DOT8 + head_q * HEAD_DIM * seq_q, rows, seq_q, offs_dv, HEAD_DIM)  # (BLOCK_DV, BLOCK)
             q_scale = tl.load(QS + head_q * tiles_q + tile_m)
             do_scale = tl.load(DOS + head_q * tiles_q + tile_m)
             lse2 = tl.load(LSE + head_q * seq_q + rows, mask=rows < seq_q, other=float("inf"))
@@ -101,10 +115,10 @@ def attention_fp8_bwd_dkdv_kernel(
                 visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
             p_t = tl.where(visible, p_t, 0.0)
             p8_t = _to_e4m3(p_t * 448.0)
-            dv += tl.dot(p8_t, do) * (do_scale / 448.0)
+            dv += tl.dot(p8_t, tl.trans(do_t)) * (do_scale / 448.0)
             dp_t = tl.dot(v, tl.trans(do)) * (v_scale * do_scale)
             ds8_t, ds_scale = _quantize_tile(p_t * (dp_t - delta[None, :]))
-            dk += tl.dot(ds8_t, q) * (ds_scale * q_scale)
+            dk += tl.dot(ds8_t, tl.trans(qt)) * (ds_scale * q_scale)
 
     rows_ok = offs_n[:, None] < seq_k
     tl.store(DK + (head_kv * seq_k + offs_n[:, None]) * QK_DIM + offs_dk[None, :], dk * sm_scale,
@@ -115,7 +129,7 @@ def attention_fp8_bwd_dkdv_kernel(
 
 @triton.jit
 def attention_fp8_bwd_dq_kernel(
-    Q8, QS, K8, KS, V8, VS, DO8, DOS, LSE, DELTA, DQ,
+    Q8, QT8, QS, K8, KT8, KS, V8, VS, DO8, DOT8, DOS, LSE, DELTA, DQ,
     seq_q, seq_k, qk_scale, sm_scale,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
@@ -158,6 +172,7 @@ def attention_fp8_bwd_dq_kernel(
                        cols, seq_k, offs_dk, QK_DIM, BLOCK_DK, True)
         v = _load_rows(V8 + (head_kv * seq_k + cols[:, None]) * HEAD_DIM + offs_dv[None, :],
                        cols, seq_k, offs_dv, HEAD_DIM, BLOCK_DV, True)
+        kt = _load_cols(KT8 + head_kv * QK_DIM * seq_k, cols, seq_k, offs_dk, QK_DIM)  # (BLOCK_DK, BLOCK)
         k_scale = tl.load(KS + head_kv * tiles_k + tile_n)
         v_scale = tl.load(VS + head_kv * tiles_k + tile_n)
         s = tl.dot(q, tl.trans(k)) * (q_scale * k_scale * qk_scale)
@@ -168,7 +183,7 @@ def attention_fp8_bwd_dq_kernel(
         p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v)) * (do_scale * v_scale)
         ds8, ds_scale = _quantize_tile(p * (dp - delta[:, None]))
-        dq += tl.dot(ds8, k) * (ds_scale * k_scale)
+        dq += tl.dot(ds8, tl.trans(kt)) * (ds_scale * k_scale)
 
     tl.store(DQ + (head_q * seq_q + rows[:, None]) * QK_DIM + offs_dk[None, :], dq * sm_scale,
              mask=(rows[:, None] < seq_q) & (offs_dk[None, :] < QK_DIM))
@@ -203,7 +218,8 @@ def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal:
     do8, do_scales = fp8_quantize(do, block)
     meta = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.block_d(qk_dim),
                 BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, **cfg)
-    tensors = (q8, q_scales, k8, k_scales, v8, v_scales, do8, do_scales, lse, delta)
+    q8_t, k8_t, do8_t = (x.transpose(2, 3).contiguous() for x in (q8, k8, do8))  # (B, H, dim, seq)
+    tensors = (q8, q8_t, q_scales, k8, k8_t, k_scales, v8, v_scales, do8, do8_t, do_scales, lse, delta)
     scalars = (seq_q, seq_k, scale * LOG2E, scale)
     attention_fp8_bwd_dkdv_kernel[(triton.cdiv(seq_k, block), heads_kv, batch)](*tensors, dk, dv, *scalars, **meta)
     attention_fp8_bwd_dq_kernel[(triton.cdiv(seq_q, block), heads_q, batch)](*tensors, dq, *scalars, **meta)
