@@ -123,8 +123,9 @@ def fp8_jobs(dtype="bf16"):
                    dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
                         CAUSAL=causal, SCALE_EARLY=False, BLOCK_M=fwd["BLOCK_M"], BLOCK_N=fwd["BLOCK_N"]),
                    fwd["num_warps"], fwd["num_stages"])
-            bwd_ptr = {"Q8": fp8, "QT8": fp8, "K8": fp8, "KT8": fp8, "V8": fp8, "DO8": fp8, "DOT8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
-                       "DOS": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DK": "*fp32", "DV": "*fp32", "DQ": "*fp32"}
+            bwd_ptr = {"Q8": fp8, "QT8": fp8, "K8": fp8, "KT8": fp8, "V8": fp8, "DO8": fp8, "DOT8": fp8,
+                       "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "DOS": "*fp32", "LSE": "*fp32", "DELTA": "*fp32",
+                       "DK": "*fp32", "DV": "*fp32", "DQ": "*fp32"}
             meta = dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
                         CAUSAL=causal, BLOCK=bwd["BLOCK"])
             for name, kernel in (("dkdv", attention_fp8_bwd_dkdv_kernel), ("dq", attention_fp8_bwd_dq_kernel)):
