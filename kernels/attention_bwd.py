@@ -316,7 +316,7 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     bd = configs.block_d(head_dim)
     group = heads_q // heads_kv
     pre_block = 16 if configs.INTERPRET else PREPROCESS_BLOCK_M
-    attention_bwd_preprocess_kernel[(triton.cdiv(seq_q, pre_block), heads_q, batch)](
+    attention_bwd_preprocess_kernel[(configs.cdiv(seq_q, pre_block), heads_q, batch)](
         out, do, dlse.contiguous() if dlse is not None else delta, delta,
         *out.stride(), *do.stride(), seq_q,
         HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre_block, HAS_DLSE=dlse is not None)
@@ -327,11 +327,11 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     scalars = (seq_q, seq_k, *split_scale(scale), *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed))
     configs.launch("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
-                   lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
+                   lambda m: (configs.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
                    (q, k, v, do, lse, delta, dk, dv, kb, *common, *dk.stride(), *dv.stride(), stride_kbb,
                     *scalars, configs.seq_bucket(seq_q)), q.dtype, max(seq_q, seq_k), **meta)
     configs.launch("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
-                   lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
+                   lambda m: (configs.cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
                    (q, k, v, do, lse, delta, dq, kb, *common, *dq.stride(), stride_kbb,
                     *scalars, configs.seq_bucket(seq_k)), q.dtype, max(seq_q, seq_k), **meta)
     return dq, dk, dv

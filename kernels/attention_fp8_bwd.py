@@ -209,7 +209,7 @@ def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal:
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     pre_block = 16 if configs.INTERPRET else 64
-    attention_bwd_preprocess_kernel[(triton.cdiv(seq_q, pre_block), heads_q, batch)](
+    attention_bwd_preprocess_kernel[(configs.cdiv(seq_q, pre_block), heads_q, batch)](
         out, do, dlse.contiguous() if dlse is not None else delta, delta, *out.stride(), *do.stride(), seq_q,
         HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_M=pre_block, HAS_DLSE=dlse is not None)
     q8, q_scales = fp8_quantize(q_for_scores, block)
@@ -221,6 +221,6 @@ def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal:
     q8_t, k8_t, do8_t = (x.transpose(2, 3).contiguous() for x in (q8, k8, do8))  # (B, H, dim, seq)
     tensors = (q8, q8_t, q_scales, k8, k8_t, k_scales, v8, v_scales, do8, do8_t, do_scales, lse, delta)
     scalars = (seq_q, seq_k, scale * LOG2E, scale)
-    attention_fp8_bwd_dkdv_kernel[(triton.cdiv(seq_k, block), heads_kv, batch)](*tensors, dk, dv, *scalars, **meta)
-    attention_fp8_bwd_dq_kernel[(triton.cdiv(seq_q, block), heads_q, batch)](*tensors, dq, *scalars, **meta)
+    attention_fp8_bwd_dkdv_kernel[(configs.cdiv(seq_k, block), heads_kv, batch)](*tensors, dk, dv, *scalars, **meta)
+    attention_fp8_bwd_dq_kernel[(configs.cdiv(seq_q, block), heads_q, batch)](*tensors, dq, *scalars, **meta)
     return dq, dk, dv

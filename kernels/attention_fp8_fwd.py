@@ -179,7 +179,7 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
     v8, v_scales = fp8_quantize(v, block_n)
     vt8 = v8.transpose(2, 3).contiguous()  # (B, H_kv, D, N_k): keys contiguous (K-major for P V)
     qk_dim = q8.shape[3]
-    grid = (triton.cdiv(seq_q, block_m), heads_q, batch)
+    grid = (configs.cdiv(seq_q, block_m), heads_q, batch)
     attention_fp8_fwd_kernel[grid](
         q8, q_scales, k8, k_scales, vt8, v_scales, out, lse,
         q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),

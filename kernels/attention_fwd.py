@@ -250,7 +250,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         return out, lse
 
     def grid(meta):
-        return (triton.cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
+        return (configs.cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
 
     kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=lse)
     args = (q, k, v, out, lse, kb, *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_kbb,

@@ -25,14 +25,27 @@ import triton
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Host-side integer helpers for the launch paths. triton.cdiv and triton.next_power_of_2 are constexpr
+# functions in triton 3.6, whose Python wrapper costs ~5 us a call on the CPU box (0.1 us for these), and a
+# forward + backward makes nine such calls (benchmarks/NOTES.md: host time per call).
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def block_d(head_dim: int) -> int:
     """Head dim padded to a power of two, at least 16 (the smallest ``tl.dot`` operand)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def seq_bucket(seq_len: int) -> int:
     """Autotune key for a sequence length: its power-of-two bucket, capped so long sequences share one."""
-    return min(triton.next_power_of_2(max(seq_len, 1)), 16384)
+    return min(next_power_of_2(max(seq_len, 1)), 16384)
 
 
 # Fixed configs: (BLOCK_M, BLOCK_N, num_warps, num_stages).

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs
 from .attention_fwd import _dropout_keep
 
 
@@ -31,6 +32,6 @@ def dropout_keep_mask(seed: int, batch: int, heads_q: int, seq_q: int, seq_k: in
     """Bool (batch, heads_q, seq_q, seq_k): True where the attention kernels keep a probability."""
     keep = torch.empty((batch, heads_q, seq_q, seq_k), dtype=torch.uint8, device=device)
     block = 32
-    grid = (triton.cdiv(seq_q, block), triton.cdiv(seq_k, block), batch * heads_q)
+    grid = (configs.cdiv(seq_q, block), configs.cdiv(seq_k, block), batch * heads_q)
     dropout_keep_mask_kernel[grid](keep, seq_q, seq_k, seed, dropout_p, BLOCK_M=block, BLOCK_N=block)
     return keep.bool()

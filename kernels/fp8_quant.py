@@ -102,9 +102,9 @@ def fp8_quantize(x: torch.Tensor, block_n: int):
         raise ValueError(f"fp8_quantize: block_n={block_n}; expected a power of two >= 16")
     batch, heads, seq, head_dim = x.shape
     q = torch.empty((batch, heads, seq, head_dim), device=x.device, dtype=torch.float8_e4m3fn)
-    scales = torch.empty((batch, heads, triton.cdiv(seq, block_n)), device=x.device, dtype=torch.float32)
+    scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=x.device, dtype=torch.float32)
     if q.numel():
-        fp8_quantize_kernel[(triton.cdiv(seq, block_n), heads, batch)](
+        fp8_quantize_kernel[(configs.cdiv(seq, block_n), heads, batch)](
             x, q, scales, *x.stride(), seq, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_N=block_n)
     return q, scales
 

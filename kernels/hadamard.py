@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs
 from .attention_fwd import _scale, split_scale
 
 
@@ -69,7 +70,7 @@ def hadamard_kernel(X, SIGNS, Y, n_rows, d_in, d_out, norm, norm_lo,
 
 def padded_dim(head_dim: int) -> int:
     """Width of the transform: head_dim rounded up to a power of two (at least 2)."""
-    return max(2, triton.next_power_of_2(head_dim))
+    return max(2, configs.next_power_of_2(head_dim))
 
 
 def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_dim: int | None = None):
@@ -87,7 +88,7 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_di
     y = torch.empty((rows.shape[0], d_out), device=x.device, dtype=x.dtype)
     block_r = 16
     if rows.shape[0]:
-        hadamard_kernel[(triton.cdiv(rows.shape[0], block_r),)](
+        hadamard_kernel[(configs.cdiv(rows.shape[0], block_r),)](
             rows, signs.to(device=x.device).contiguous(), y, rows.shape[0], d_in, d_out,
             *split_scale(1.0 / math.sqrt(d)), D=d, BLOCK_R=block_r, SIGNS_FIRST=not inverse)
     return y.view(*x.shape[:-1], d_out)
