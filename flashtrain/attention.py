@@ -134,8 +134,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
             Pass 0.0 in evaluation (this function does not look at any module's training flag).
         return_lse: also return the natural-log logsumexp of each row's scaled scores (before dropout).
         fp8: None (default: the 16/32/64-bit kernels), "forward" (the forward's two matmuls in FP8 e4m3 with
-            per-tile scales; the backward in the input precision from the saved inputs) or "full" (the
-            backward's four matmuls in FP8 too, with per-tile scales for dO and dS). FP8 takes float16/bfloat16
+            per-tile scales; the backward's matmuls in the input precision, on the forward's scores
+            recomputed from the saved inputs) or "full" (the backward's four matmuls in FP8 too, with
+            per-tile scales for dO and dS). FP8 takes float16/bfloat16
             (or float32) inputs and returns the input dtype; quantisation happens inside. Not combinable with
             key_padding_mask or dropout yet. Numerics: ``flashtrain.fp8``.
         hadamard: with fp8, rotate Q and K by a fixed random-sign Hadamard matrix before quantising
