@@ -170,8 +170,8 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
     out, lse, done = allocate_outputs(q, k)
     if done:
         return out, lse
-    cfg = configs.fp8_config(max(seq_q, seq_k), head_dim)
-    block_m, block_n = fp8_tiles(q, k)
+    cfg = fp8_launch_config(q, k)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     qk_q = q if rotated_q is None else rotated_q
     qk_k = k if rotated_k is None else rotated_k
     q8, q_scales = fp8_quantize(qk_q, block_m)
@@ -190,7 +190,12 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
     return out, lse
 
 
+def fp8_launch_config(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """The FP8 forward's launch parameters for these inputs (its tiles are also the quantisation tiles)."""
+    return configs.fp8_config(max(q.shape[2], k.shape[2]), q.shape[3])
+
+
 def fp8_tiles(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
     """(rows per Q tile, rows per K/V tile) of the FP8 forward for these inputs: one scale per tile."""
-    cfg = configs.fp8_config(max(q.shape[2], k.shape[2]), q.shape[3])
+    cfg = fp8_launch_config(q, k)
     return cfg["BLOCK_M"], cfg["BLOCK_N"]
