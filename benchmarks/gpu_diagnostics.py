@@ -1,9 +1,9 @@
 """GPU diagnostics behind benchmarks/NOTES.md (third session): the N=1k causal forward taken apart (repeats,
 no_grad, every forward candidate, a CUDA-graph replay, SDPA flash), host time per call, and tile sweeps of the
 FP8 forward and backward against the bf16 kernels. Prints JSON lines and a summary; writes diag1.json and a
-host profile to $OUT. Needs a CUDA GPU.
+host profile to $OUT; ``fp8acc`` measures how precisely FP8 ``tl.dot`` accumulates. Needs a CUDA GPU.
 
-    OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd
+    OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd fp8acc
 """
 import json
 import os
@@ -158,9 +158,10 @@ if "fp8fwd" in section:
             del q, k, v
 
 FP8_BWD_SWEEP = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 3), (128, 8, 1), (32, 4, 2)]
+FP8_BWD_SEQS = [int(n) for n in os.environ.get("FP8_BWD_SEQS", "4096 16384").split()]
 if "fp8bwd" in section:
     for D in (128, 64):
-        for N in (4096, 16384):
+        for N in FP8_BWD_SEQS:
             B, H = 16384 // N, 2048 // D
             q, k, v = rnd(B, H, N, D, grad=True)
             dout = torch.randn_like(q)
@@ -183,6 +184,34 @@ if "fp8bwd" in section:
                         log(sec="fp8bwd", what=f"fp8 full bwd {cfg}", D=D, N=N, causal=causal, error=repr(e)[:300])
                 configs.FP8_BWD = default_bwd
             del q, k, v
+
+if "fp8acc" in section:
+    # How precisely do FP8 tl.dot products accumulate on this GPU? Triton's default on sm_90 leaves the sum to
+    # the tensor core's own accumulator (max_num_imprecise_acc = 2**30); 32 promotes to fp32 every 32 products.
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8_dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                        PRECISE: tl.constexpr):
+        a = tl.load(a_ptr + tl.arange(0, M)[:, None] * K + tl.arange(0, K)[None, :])
+        b = tl.load(b_ptr + tl.arange(0, K)[:, None] + tl.arange(0, N)[None, :] * K)  # K-major
+        if PRECISE:
+            c = tl.dot(a, b, max_num_imprecise_acc=32)
+        else:
+            c = tl.dot(a, b)
+        tl.store(c_ptr + tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :], c)
+
+    for K in (64, 128):
+        a = (torch.randn(128, K, device="cuda") * 4).to(torch.float8_e4m3fn)
+        b = (torch.randn(128, K, device="cuda") * 4).to(torch.float8_e4m3fn)
+        exact = a.double() @ b.double().T
+        for precise in (False, True):
+            c = torch.empty(128, 128, device="cuda")
+            _fp8_dot_kernel[(1,)](a, b, c, 128, 128, K, precise, num_warps=4)
+            err = ((c.double() - exact).abs() / exact.abs().clamp_min(1e-3))
+            log(sec="fp8acc", what=f"fp8 dot K={K} precise={precise}",
+                rel_err_median=float(err.median()), rel_err_max=float(err.max()),
+                rms_rel=float((c.double() - exact).norm() / exact.norm()))
 
 with open(f"{OUT}/diag1.json", "w") as fh:
     json.dump(rows, fh, indent=1)

@@ -33,8 +33,14 @@ Numerics:
   with delta = rowsum(dO * O) from the unrounded tensors, then dS is quantised per (BLOCK x BLOCK) tile
   (amax / 448) for dQ = dS8 K8 and dK = dS8^T Q8, all accumulated in fp32. dQ and dK are rotated back by
   the inverse Hadamard transform and cast to the input dtype. ``flashtrain.reference.fp8_attention_bwd_ref``
-  simulates it in float64; the kernels match it to 2e-3 (the fp16 rounding of the result), and exact
-  attention's gradients to 4-7% on the tests' shapes.
+  simulates it in float64; the kernels match it to 2e-3 (the fp16 rounding of the result) in Triton's
+  interpreter and to ~1e-2 on Hopper (next point), and exact attention's gradients to 4-7% on the tests' shapes.
+* Accumulation: the FP8 products accumulate in fp32 registers, but on sm_90 Triton's default for FP8
+  ``tl.dot`` (``max_num_imprecise_acc``) leaves the whole sum to the tensor core's accumulator, which keeps a
+  mantissa of about 14 bits. Measured on the H200 (``benchmarks/gpu_diagnostics.py fp8acc``): a 64 / 128-term
+  FP8 dot is off by 7.6e-5 / 1.3e-4 (RMS, relative) against exact, 4.6e-5 when promoted to fp32 every 32
+  terms. Far below e4m3's rounding (up to 2^-4), but enough to send some of P's and dS's e4m3 roundings
+  to the neighbouring value.
 * ``flashtrain.reference.fp8_attention_ref`` simulates the scheme in float64 (with the global row max where
   the kernel has the running one); the kernel's error against exact attention matches the simulation's
   (tests/test_attention_fp8.py); benchmarks/NOTES.md has the simulated errors on FlashAttention-3's outlier

@@ -216,8 +216,8 @@ def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal:
     k8, k_scales = fp8_quantize(k_for_scores, block)
     v8, v_scales = fp8_quantize(v, block)
     do8, do_scales = fp8_quantize(do, block)
-    meta = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.block_d(qk_dim),
-                BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, **cfg)
+    meta = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
+                BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal, **cfg)
     q8_t, k8_t, do8_t = (x.transpose(2, 3).contiguous() for x in (q8, k8, do8))  # (B, H, dim, seq)
     tensors = (q8, q8_t, q_scales, k8, k8_t, k_scales, v8, v_scales, do8, do8_t, do_scales, lse, delta)
     scalars = (seq_q, seq_k, scale * LOG2E, scale)

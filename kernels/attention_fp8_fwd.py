@@ -185,8 +185,8 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
         q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
         vt8.stride(0), vt8.stride(1), vt8.stride(2), *out.stride(),
         seq_q, seq_k, scale * LOG2E,
-        GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.block_d(qk_dim),
-        BLOCK_DV=configs.block_d(head_dim), CAUSAL=causal, SCALE_EARLY=scale <= 0, **cfg)
+        GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
+        BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal, SCALE_EARLY=scale <= 0, **cfg)
     return out, lse
 
 

@@ -43,6 +43,12 @@ def block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+def fp8_block_d(head_dim: int) -> int:
+    """Head dim of the FP8 kernels' tiles: as ``block_d``, but at least 32, because Hopper's FP8 MMA (wgmma
+    with e4m3 operands) reduces over 32 elements at a time and Triton refuses a smaller FP8 ``tl.dot``."""
+    return max(32, block_d(head_dim))
+
+
 def seq_bucket(seq_len: int) -> int:
     """Autotune key for a sequence length: its power-of-two bucket, capped so long sequences share one."""
     return min(next_power_of_2(max(seq_len, 1)), 16384)

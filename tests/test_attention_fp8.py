@@ -105,8 +105,13 @@ def test_backward_recomputes_the_forwards_probabilities(mode, tol, device):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_full_backward(shape, causal, hadamard, device):
     """fp8="full": gradients equal the float64 simulation of the same FP8 backward (given the kernel forward's
-    output and LSE) up to fp32 accumulation order and the fp16 rounding of the result (2e-3), and exact
-    attention's gradients within 0.1 (FP8: 4-7% relative error measured on these shapes)."""
+    output and LSE) up to fp32 accumulation order and the fp16 rounding of the result (2e-3 in the
+    interpreter), and exact attention's gradients within 0.1 (FP8: 4-7% relative error measured on these shapes).
+
+    On the GPU the bound against the simulation is 2e-2: Hopper's FP8 MMAs accumulate with a mantissa of about
+    14 bits, not fp32's 24, so the recomputed scores and dP differ from the float64 simulation by ~1e-4
+    relative (benchmarks/gpu_diagnostics.py fp8acc), and some of P's and dS's e4m3 roundings go the other way
+    (each a step of up to 6%). Measured on the H200: up to 1.1e-2 on these tiny shapes."""
     q, k, v = make(shape, device, requires_grad=True)
     dout = make(shape, device, seed=1)[0]
     out, lse = flash_attention(q, k, v, causal=causal, fp8="full", hadamard=hadamard, return_lse=True)
@@ -118,7 +123,7 @@ def test_full_backward(shape, causal, hadamard, device):
     exact = torch.autograd.grad(ref, (q, k, v), dout)
     for name, g, s, e in zip(("dq", "dk", "dv"), grads, sim, exact):
         assert g.dtype == q.dtype and g.shape == e.shape and torch.isfinite(g).all(), name
-        assert rel_error(g, s) < 2e-3, (name, rel_error(g, s))
+        assert rel_error(g, s) < (2e-2 if device == "cuda" else 2e-3), (name, rel_error(g, s))
         assert rel_error(g, e) < 0.1, (name, rel_error(g, e))
 
 
