@@ -29,16 +29,7 @@ import triton.language as tl
 from . import configs
 from .attention_bwd import attention_bwd_preprocess_kernel
 from .attention_fwd import LOG2E, _load_rows
-from .fp8_quant import _to_e4m3, fp8_quantize
-
-
-@triton.jit
-def _quantize_tile(x):
-    """(x8, scale): x (fp32 tile) on the e4m3 grid with one scale, amax / 448 (1 for an all-zero tile)."""
-    amax = tl.max(tl.max(tl.abs(x), 1), 0)
-    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
-    x8 = _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
-    return x8, scale
+from .fp8_quant import _quantize_tile, _to_e4m3, fp8_quantize
 
 
 @triton.jit
@@ -117,7 +108,7 @@ def attention_fp8_bwd_dkdv_kernel(
             p8_t = _to_e4m3(p_t * 448.0)
             dv += tl.dot(p8_t, tl.trans(do_t)) * (do_scale / 448.0)
             dp_t = tl.dot(v, tl.trans(do)) * (v_scale * do_scale)
-            ds8_t, ds_scale = _quantize_tile(p_t * (dp_t - delta[None, :]))
+            ds8_t, ds_scale = _quantize_tile(p_t * (dp_t - delta[None, :]), False)
             dk += tl.dot(ds8_t, tl.trans(qt)) * (ds_scale * q_scale)
 
     rows_ok = offs_n[:, None] < seq_k
@@ -182,7 +173,7 @@ def attention_fp8_bwd_dq_kernel(
             visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
         p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v)) * (do_scale * v_scale)
-        ds8, ds_scale = _quantize_tile(p * (dp - delta[:, None]))
+        ds8, ds_scale = _quantize_tile(p * (dp - delta[:, None]), False)
         dq += tl.dot(ds8, tl.trans(kt)) * (ds_scale * k_scale)
 
     tl.store(DQ + (head_q * seq_q + rows[:, None]) * QK_DIM + offs_dk[None, :], dq * sm_scale,

@@ -63,6 +63,19 @@ def _pow2_at_least(x):
 
 
 @triton.jit
+def _quantize_tile(x, POW2_SCALE: tl.constexpr):
+    """(x8, scale): the fp32 tile x in e4m3 with one scale, amax / 448 (448: e4m3's largest finite value),
+    rounded up to a power of two if POW2_SCALE; 1 for an all-zero tile."""
+    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    if POW2_SCALE:
+        scale = tl.where(amax > 0.0, _pow2_at_least(amax / 448.0), 1.0)
+    else:
+        scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    x8 = _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+    return x8, scale
+
+
+@triton.jit
 def fp8_quantize_kernel(
     X, Q, S,
     stride_xb, stride_xh, stride_xn, stride_xd,
@@ -82,9 +95,7 @@ def fp8_quantize_kernel(
     mask = (rows[:, None] < seq) & (offs_d[None, :] < HEAD_DIM)
     x = tl.load(X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
                 + rows[:, None] * stride_xn + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), 1), 0)
-    scale = tl.where(amax > 0.0, _pow2_at_least(amax / 448.0), 1.0)  # 448: e4m3's largest finite value
-    q = _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+    q, scale = _quantize_tile(x, True)
     head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
     tl.store(Q + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], q, mask=mask)
     tl.store(S + head * tl.num_programs(0) + pid_n, scale)
