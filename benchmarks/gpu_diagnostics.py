@@ -1,9 +1,11 @@
 """GPU diagnostics behind benchmarks/NOTES.md (third session): the N=1k causal forward taken apart (repeats,
 no_grad, every forward candidate, a CUDA-graph replay, SDPA flash), host time per call, and tile sweeps of the
 FP8 forward and backward against the bf16 kernels. Prints JSON lines and a summary; writes diag1.json and a
-host profile to $OUT; ``fp8acc`` measures how precisely FP8 ``tl.dot`` accumulates. Needs a CUDA GPU.
+host profile to $OUT; ``fp8acc`` measures how precisely FP8 ``tl.dot`` accumulates. Fifth session:
+``profile16k`` (per-kernel CUDA time of gpt2-small training steps at 16k, flash against SDPA) and ``bwdtiles``
+(head_dim-64 causal tiles of the forward and of each backward kernel at 16k, cuDNN beside them). Needs a CUDA GPU.
 
-    OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd fp8acc
+    OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd fp8acc profile16k bwdtiles
 """
 import json
 import os
@@ -212,6 +214,81 @@ if "fp8acc" in section:
             log(sec="fp8acc", what=f"fp8 dot K={K} precise={precise}",
                 rel_err_median=float(err.median()), rel_err_max=float(err.max()),
                 rms_rel=float((c.double() - exact).norm() / exact.norm()))
+
+if "profile16k" in section:
+    # where a training step's time goes: gpt2-small (byte vocabulary), B=2 x 16k tokens, bf16 autocast, AdamW
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashtrain import attention_backends
+    from flashtrain.model import GPT, GPTConfig
+    for attn in ("flash", "sdpa"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(seq_len=16384), attention_backends.get(attn)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        idx = torch.randint(0, 256, (2, 16385), device="cuda")
+
+        def step():
+            with torch.autocast("cuda", torch.bfloat16):
+                _, loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        ms = do_bench(step, warmup=50, rep=500)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        with open(f"{OUT}/profile_16k_{attn}.txt", "w") as fh:
+            fh.write(table)
+        log(sec="profile16k", what=attn, ms=round(ms, 2), tokens_per_s=round(2 * 16384 / ms * 1e3))
+        del model, opt
+        torch.cuda.empty_cache()
+
+if "bwdtiles" in section:
+    # each kernel's tile candidates (forced), the other backward kernel at its former default
+    from flashtrain.kernels.attention_bwd import attention_bwd
+    from flashtrain.kernels.attention_fwd import attention_fwd
+    base = {"dkdv": triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=2),
+            "dq": triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2)}
+    tiles = {
+        "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3),
+                (64, 64, 4, 3), (128, 128, 4, 2), (256, 64, 8, 2)],
+        "dkdv": [(32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2),
+                 (32, 128, 4, 2), (32, 128, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2),
+                 (16, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 2)],
+        "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+               (128, 128, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 128, 4, 2), (256, 64, 8, 2)],
+    }
+    for B, H in ((2, 12), (1, 32)):
+        N, D, causal = 16384, 64, True
+        q, k, v = rnd(B, H, N, D)
+        do = torch.randn_like(q)
+        out, lse = attention_fwd(q, k, v, causal, D ** -0.5)
+        for kernel, candidates in tiles.items():
+            for m, n, w, st in candidates:
+                cfg = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+                if kernel == "fwd":
+                    with configs.forced_configs(fwd=cfg):
+                        ms = do_bench(lambda: attention_fwd(q, k, v, causal, D ** -0.5), warmup=100, rep=300)
+                else:
+                    with configs.forced_configs(**{**base, kernel: cfg}):
+                        ms = do_bench(lambda: attention_bwd(do, q, k, v, out, lse, None, causal, D ** -0.5),
+                                      warmup=100, rep=300)
+                log(sec="bwdtiles", what=f"{kernel} {(m, n, w, st)} B{B} H{H}", D=D, N=N, causal=causal,
+                    ms=round(ms, 4), tf=tf(B, H, N, D, causal, ms, bwd=kernel != "fwd"))
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+            ms_f = do_bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal), warmup=100, rep=300)
+            ms_b = do_bench(lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True), warmup=100, rep=300)
+        log(sec="bwdtiles", what=f"cudnn fwd B{B} H{H}", D=D, N=N, causal=causal, ms=round(ms_f, 4),
+            tf=tf(B, H, N, D, causal, ms_f))
+        log(sec="bwdtiles", what=f"cudnn bwd B{B} H{H}", D=D, N=N, causal=causal, ms=round(ms_b, 4),
+            tf=tf(B, H, N, D, causal, ms_b, bwd=True))
 
 with open(f"{OUT}/diag1.json", "w") as fh:
     json.dump(rows, fh, indent=1)

@@ -23,10 +23,11 @@ Numerics:
   running max), in [0, 1], is rounded to e4m3 with the fixed scale 448 (1 -> 448) for P8 V8, whose fp32
   product is scaled by v_scale / 448; the row sum is of the unrounded P. Output = acc / rowsum, cast to the
   input dtype; the LSE (fp32) is saved.
-* ``fp8="forward"``: the backward runs the 16-bit kernels on the scores the forward computed: Q and K are
-  rotated and quantised again as in the forward and dequantised (exact in the input dtype), so P recomputed
-  from them and the forward's LSE is the forward's P (rows sum to one); V, dO and the forward's output enter
-  unquantised. The gradient passes straight through the quantisation (and back through the rotation).
+* ``fp8="forward"``: the backward runs the 16-bit kernels on the scores the forward computed: the forward
+  saves its FP8 (rotated) Q and K with their scales, and the backward dequantises them (exact in the input
+  dtype), so P recomputed from them and the forward's LSE is the forward's P (rows sum to one); V, dO and the
+  forward's output enter unquantised. The gradient passes straight through the quantisation (and back
+  through the rotation).
 * ``fp8="full"`` (``flashtrain.kernels.attention_fp8_bwd``): Q, K (rotated again, in the input dtype), V and dO
   are quantised per tile of one BLOCK (64 rows on the GPU); P is recomputed from the FP8 Q K^T and the
   forward's LSE; dV = P8^T dO8 (P8 with the fixed scale 448), dP = dO8 V8^T, dS = P (dP - delta) in fp32
@@ -58,6 +59,7 @@ from .kernels.attention_bwd import attention_bwd
 from .kernels.attention_fp8_bwd import attention_fp8_bwd
 from .kernels.attention_fp8_fwd import attention_fp8_fwd, fp8_tiles
 from .kernels.attention_fwd import LOG2E
+from .kernels.configs import cdiv
 from .kernels.fp8_quant import fp8_dequantize, fp8_quantize
 from .kernels.hadamard import hadamard, padded_dim
 
@@ -100,17 +102,32 @@ def _rotation_signs(head_dim: int, device: torch.device) -> Tensor:
 
 @torch.library.custom_op("flashtrain::attention_fp8_fwd", mutates_args=())
 def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool,
-                          fp8_backward: bool) -> tuple[Tensor, Tensor]:
+                          fp8_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, q8, q_scales, k8, k_scales): the quantised (rotated) Q and K are outputs too, so that
+    fp8="forward"'s backward recomputes the forward's scores from them instead of rotating and quantising
+    again (non-differentiable; empty for fp8="full", whose backward quantises in its own tiles)."""
     rotated_q = rotated_k = None
     if rotate:  # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation
         signs = _rotation_signs(q.shape[-1], q.device)
         rotated_q, rotated_k = hadamard(q, signs), hadamard(k, signs)
-    return attention_fp8_fwd(q, k, v, causal, scale, rotated_q, rotated_k)
+    out, lse, quantized = attention_fp8_fwd(q, k, v, causal, scale, rotated_q, rotated_k)
+    if fp8_backward:
+        quantized = tuple(q.new_empty(0, dtype=t.dtype) for t in quantized)
+    return out, lse, *quantized
 
 
 @_attention_fp8_fwd_op.register_fake
 def _(q, k, v, causal, scale, rotate, fp8_backward):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    if fp8_backward:
+        return out, lse, *(q.new_empty(0, dtype=dt) for dt in (torch.float8_e4m3fn, torch.float32) * 2)
+    qk_dim = padded_dim(q.shape[-1]) if rotate else q.shape[-1]
+    quantized = []
+    for x, block in zip((q, k), fp8_tiles(q, k)):
+        batch, heads, seq = x.shape[:3]
+        quantized += [x.new_empty((batch, heads, seq, qk_dim), dtype=torch.float8_e4m3fn),
+                      x.new_empty((batch, heads, cdiv(seq, block)), dtype=torch.float32)]
+    return out, lse, *quantized
 
 
 @torch.library.custom_op("flashtrain::attention_fp8_bwd", mutates_args=())
@@ -136,54 +153,63 @@ def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate):  # the kernels' out
 
 
 @torch.library.custom_op("flashtrain::attention_fp8_forward_bwd", mutates_args=())
-def _attention_fp8_forward_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                                  dlse: Tensor | None, causal: bool, scale: float,
-                                  rotate: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_fp8_forward_bwd_op(dout: Tensor, q8: Tensor, q_scales: Tensor, k8: Tensor, k_scales: Tensor,
+                                  v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
+                                  scale: float, rotate: bool, block_m: int,
+                                  block_n: int) -> tuple[Tensor, Tensor, Tensor]:
     """fp8="forward": the 16-bit backward kernels, on the scores the FP8 forward computed.
 
-    Q and K are rotated and quantised again exactly as in the forward, and dequantised, which is exact in the
-    input dtype (power-of-two tile scales). So the backward's recomputed probabilities are the forward's, and
-    each row sums to one under the forward's LSE. Recomputing them from the unquantised Q and K instead
-    (the first version) let rows sum to exp(LSE_exact - LSE_fp8), 0.3-2.3 on logits 8x sharper than N(0, 1)
-    inputs', and gpt2-small training diverged after ~180 steps (benchmarks/NOTES.md). The gradient passes
-    straight through the quantisation and back through the rotation; dV and dP use the unquantised V and dO.
+    q8, k8 and their scales are the forward's quantised (rotated) Q and K, in tiles of block_m / block_n rows;
+    dequantising them is exact in the input dtype (power-of-two tile scales). So the backward's recomputed
+    probabilities are the forward's, and each row sums to one under the forward's LSE. Recomputing them from
+    the unquantised Q and K instead (the first version) let rows sum to exp(LSE_exact - LSE_fp8), 0.3-2.3 on
+    logits 8x sharper than N(0, 1) inputs', and gpt2-small training diverged after ~180 steps
+    (benchmarks/NOTES.md). The gradient passes straight through the quantisation and back through the
+    rotation; dV and dP use the unquantised V and dO.
     """
-    head_dim = q.shape[-1]
-    signs = _rotation_signs(head_dim, q.device) if rotate else None
-    block_m, block_n = fp8_tiles(q, k)
-    scored = []
-    for x, block in ((q, block_m), (k, block_n)):
-        x_scores = hadamard(x, signs) if rotate else x
-        scored.append(fp8_dequantize(*fp8_quantize(x_scores, block), block, x.dtype))
-    q_scores, k_scores = scored
+    head_dim = v.shape[-1]
+    q_scores = fp8_dequantize(q8, q_scales, block_m, v.dtype)
+    k_scores = fp8_dequantize(k8, k_scales, block_n, v.dtype)
     pad = q_scores.shape[-1] - head_dim  # the rotation's width, when head_dim is not a power of two
     if pad:
         v, out, dout = (torch.nn.functional.pad(t, (0, pad)) for t in (v, out, dout))
     dq, dk, dv = attention_bwd(dout, q_scores, k_scores, v, out, lse, dlse, causal, scale)
     if rotate:
+        signs = _rotation_signs(head_dim, v.device)
         dq = hadamard(dq, signs, inverse=True, out_dim=head_dim)
         dk = hadamard(dk, signs, inverse=True, out_dim=head_dim)
     return dq.contiguous(), dk.contiguous(), dv[..., :head_dim].contiguous()  # contiguous, as the fake says
 
 
 @_attention_fp8_forward_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q8, q_scales, k8, k_scales, v, out, lse, dlse, causal, scale, rotate, block_m, block_n):
+    head_dim = v.shape[-1]
+    return (v.new_empty((*q8.shape[:3], head_dim)), v.new_empty((*k8.shape[:3], head_dim)),
+            v.new_empty(v.shape))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, rotate, fp8_backward = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    out, lse, *quantized = output
+    ctx.mark_non_differentiable(*quantized)
+    if fp8_backward:  # the FP8 backward quantises Q, K, V and dO in its own tiles
+        ctx.save_for_backward(q, k, v, out, lse)
+    else:  # the forward's FP8 Q and K (half the bytes of Q and K), for its scores
+        ctx.save_for_backward(*quantized, v, out, lse)
+        ctx.tiles = fp8_tiles(q, k)
     ctx.causal, ctx.scale, ctx.rotate, ctx.fp8_backward = causal, scale, rotate, fp8_backward
 
 
-def _backward(ctx, dout, dlse2):
+def _backward(ctx, dout, dlse2, *_):
     """fp8="forward": the 16-bit backward kernels on the forward's scores; fp8="full": the FP8 kernels."""
-    q, k, v, out, lse2 = ctx.saved_tensors
     dlse = None if dlse2 is None else dlse2 * LOG2E
-    backward = _attention_fp8_bwd_op if ctx.fp8_backward else _attention_fp8_forward_bwd_op
-    dq, dk, dv = backward(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate)
+    if ctx.fp8_backward:
+        q, k, v, out, lse2 = ctx.saved_tensors
+        dq, dk, dv = _attention_fp8_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate)
+    else:
+        q8, q_scales, k8, k_scales, v, out, lse2 = ctx.saved_tensors
+        dq, dk, dv = _attention_fp8_forward_bwd_op(dout, q8, q_scales, k8, k_scales, v, out, lse2, dlse,
+                                                   ctx.causal, ctx.scale, ctx.rotate, *ctx.tiles)
     return dq, dk, dv, None, None, None, None
 
 
@@ -192,4 +218,5 @@ torch.library.register_autograd("flashtrain::attention_fp8_fwd", _backward, setu
 
 def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mode: str, hadamard: bool):
     """The FP8 path of ``flash_attention`` (inputs already validated there). Returns (out, log2-domain LSE)."""
-    return _attention_fp8_fwd_op(q, k, v, causal, scale, hadamard, mode == "full")
+    out, lse = _attention_fp8_fwd_op(q, k, v, causal, scale, hadamard, mode == "full")[:2]
+    return out, lse

@@ -159,7 +159,9 @@ def attention_fp8_fwd_kernel(
 
 
 def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotated_k=None):
-    """Quantise and launch. Returns (out, lse) like ``attention_fwd`` (out in q's dtype, LSE log2 fp32).
+    """Quantise and launch. Returns (out, lse, (q8, q_scales, k8, k_scales)): out and lse as ``attention_fwd``
+    (out in q's dtype, LSE log2 fp32), then the quantised Q and K the scores came from (``fp8_quantize``'s
+    outputs, in tiles of ``fp8_tiles``), for a backward that recomputes those scores.
 
     q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), float16/bfloat16, validated by the caller. ``rotated_q`` and
     ``rotated_k`` (B, H, N, D') are Q and K after the Hadamard rotation (D' >= D), or None to quantise q and
@@ -168,14 +170,13 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     out, lse, done = allocate_outputs(q, k)
-    if done:
-        return out, lse
     cfg = fp8_launch_config(q, k)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    qk_q = q if rotated_q is None else rotated_q
-    qk_k = k if rotated_k is None else rotated_k
-    q8, q_scales = fp8_quantize(qk_q, block_m)
-    k8, k_scales = fp8_quantize(qk_k, block_n)
+    q8, q_scales = fp8_quantize(q if rotated_q is None else rotated_q, block_m)
+    k8, k_scales = fp8_quantize(k if rotated_k is None else rotated_k, block_n)
+    quantized = (q8, q_scales, k8, k_scales)
+    if done:
+        return out, lse, quantized
     v8, v_scales = fp8_quantize(v, block_n)
     vt8 = v8.transpose(2, 3).contiguous()  # (B, H_kv, D, N_k): keys contiguous (K-major for P V)
     qk_dim = q8.shape[3]
@@ -187,7 +188,7 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotat
         seq_q, seq_k, scale * LOG2E,
         GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
         BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal, SCALE_EARLY=scale <= 0, **cfg)
-    return out, lse
+    return out, lse, quantized
 
 
 def fp8_launch_config(q: torch.Tensor, k: torch.Tensor) -> dict:

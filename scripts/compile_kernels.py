@@ -104,6 +104,8 @@ def attention_jobs(dtype="bf16", quick=False):
                                 **cfg.kwargs)
                     if name == "fwd":
                         meta["SCALE_EARLY"] = variant["HAS_KEY_BIAS"]
+                    if name == "dkdv":  # both load forms: masked rows (ragged seq_q) and EVEN_M
+                        meta["EVEN_M"] = variant["CAUSAL"]
                     yield (f"{name} D={head_dim} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages} {variant}",
                            kernel, common_ptr, meta, cfg.num_warps, cfg.num_stages)
     yield ("bwd preprocess", attention_bwd_preprocess_kernel, common_ptr,

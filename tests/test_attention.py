@@ -76,6 +76,14 @@ def test_backward(shape, causal, dtype, device):
 
 
 @pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_whole_query_blocks(causal, dtype, device):
+    """seq_q a multiple of 128: the dK/dV kernel's unmasked (EVEN_M) loads, with seq_k longer (causal offset)."""
+    check_backward(*make_qkv((1, 2, 1, 128, 160, 40), dtype, device, requires_grad=True), causal)
+
+
+@pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("head_dim", [100, 256])
 def test_large_and_odd_head_dims(head_dim, device):
     q, k, v = make_qkv((1, 2, 1, 33, 45, head_dim), torch.float64, device, requires_grad=True)

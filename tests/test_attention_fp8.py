@@ -99,6 +99,19 @@ def test_backward_recomputes_the_forwards_probabilities(mode, tol, device):
     assert rel_error(dv.double().sum(2), dout.double().sum(2)) < tol
 
 
+@pytest.mark.parametrize("mode, saved_fp8", [("forward", 2), ("full", 0)])
+def test_forward_mode_saves_the_fp8_q_and_k(mode, saved_fp8, device):
+    """fp8="forward" keeps the forward's quantised Q and K (one byte per element) for its backward, not Q and K;
+    "full" quantises in its backward's own tiles and keeps Q and K."""
+    q, k, v = make((1, 2, 2, 40, 40, 24), device, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = flash_attention(q, k, v, causal=True, fp8=mode)
+    assert sum(t.dtype == torch.float8_e4m3fn for t in saved) == saved_fp8
+    assert any(t is q for t in saved) == (mode == "full")
+    torch.autograd.grad(out.sum(), (q, k, v))  # and the backward runs from them
+
+
 @pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("hadamard", [True, False], ids=["hadamard", "plain"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -98,14 +98,16 @@ def _candidate(candidates, index):
 MOST_CANDIDATES = max(len(c) for lists in CANDIDATE_SETS.values() for c in lists)
 
 
+@pytest.mark.parametrize("seq_q", [256, 257], ids=["whole_blocks", "ragged"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", sorted(CANDIDATE_SETS))
 @pytest.mark.parametrize("index", range(MOST_CANDIDATES))
-def test_every_tuning_candidate_is_exact(index, head_dim, causal):
-    """Whatever config the autotuner picks, the result is right: each candidate forced in turn."""
-    q = randn(2, 4, 257, head_dim, dtype=torch.float16).requires_grad_()
+def test_every_tuning_candidate_is_exact(index, head_dim, causal, seq_q):
+    """Whatever config the autotuner picks, the result is right: each candidate forced in turn, with seq_q a
+    multiple of every BLOCK_M (the dK/dV kernel's unmasked loads) and not."""
+    q = randn(2, 4, seq_q, head_dim, dtype=torch.float16).requires_grad_()
     k, v = (randn(2, 2, 300, head_dim, dtype=torch.float16).requires_grad_() for _ in range(2))
-    dout = randn(2, 4, 257, head_dim, dtype=torch.float16)
+    dout = randn(2, 4, seq_q, head_dim, dtype=torch.float16)
     fwd, dkdv, dq = CANDIDATE_SETS[head_dim]
     with configs.forced_configs(fwd=_candidate(fwd, index), dkdv=_candidate(dkdv, index), dq=_candidate(dq, index)):
         ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
@@ -141,15 +143,16 @@ def test_bf16_key_padding_and_dropout(head_dim, causal):
         assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
 
 
+@pytest.mark.parametrize("seq_q", [256, 257], ids=["whole_blocks", "ragged"])
 @pytest.mark.parametrize("index", range(MOST_CANDIDATES))
-def test_every_tuning_candidate_with_padding_and_dropout(index):
+def test_every_tuning_candidate_with_padding_and_dropout(index, seq_q):
     """The key-bias and dropout variants (more registers) compile and are right under every candidate."""
     from flashtrain.attention import SEED_BOUND
     from flashtrain.kernels import dropout_keep_mask
 
-    q = randn(2, 4, 257, 128, dtype=torch.float16)
+    q = randn(2, 4, seq_q, 128, dtype=torch.float16)
     k, v = (randn(2, 2, 300, 128, dtype=torch.float16) for _ in range(2))
-    dout = randn(2, 4, 257, 128, dtype=torch.float16)
+    dout = randn(2, 4, seq_q, 128, dtype=torch.float16)
     kpm = torch.rand(2, 300, device="cuda") < 0.3
     with configs.forced_configs(fwd=_candidate(configs.FWD_CANDIDATES, index),
                                 dkdv=_candidate(configs.DKDV_CANDIDATES, index),
@@ -158,7 +161,7 @@ def test_every_tuning_candidate_with_padding_and_dropout(index):
         ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=True, key_padding_mask=kpm,
                                                                  dropout_p=0.2), q, k, v, dout)
     torch.manual_seed(0)
-    keep = dropout_keep_mask(int(torch.randint(SEED_BOUND, (), dtype=torch.int64)), 2, 4, 257, 300, 0.2, "cuda")
+    keep = dropout_keep_mask(int(torch.randint(SEED_BOUND, (), dtype=torch.int64)), 2, 4, seq_q, 300, 0.2, "cuda")
     ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=True, key_padding_mask=kpm,
                                                           dropout_keep=keep, dropout_p=0.2)[0], q, k, v, dout)
     out_tol, grad_tol = TOLERANCE[torch.float16]
