@@ -68,14 +68,19 @@ def _setup_context(ctx, inputs, output):
     ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
 
 
+def kernel_dlse(dlse2: Tensor | None) -> Tensor | None:
+    """The gradient of the ops' log2-domain LSE output as the backward kernels take it: the gradient of the
+    natural-log LSE (None when the LSE was not used)."""
+    return None if dlse2 is None else dlse2 * LOG2E
+
+
 def _backward_with(bwd, ctx, dout, dlse2):
     """The backward, with ``bwd`` the custom op (compiled graphs) or ``_eager_bwd``."""
     q, k, v, out, lse2, key_padding_mask, seed = ctx.saved_tensors
     if dout is None:  # only the LSE was used
         dout = torch.zeros_like(out)
-    # gradient of the log2-domain LSE -> gradient of the natural-log LSE, which the kernels take
-    dlse = None if dlse2 is None else dlse2 * LOG2E
-    dq, dk, dv = bwd(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, key_padding_mask, ctx.dropout_p, seed)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse2, kernel_dlse(dlse2), ctx.causal, ctx.scale, key_padding_mask,
+                     ctx.dropout_p, seed)
     return dq, dk, dv, None, None, None, None, None
 
 

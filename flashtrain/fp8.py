@@ -55,10 +55,10 @@ import functools
 import torch
 from torch import Tensor
 
+from .attention import kernel_dlse
 from .kernels.attention_bwd import attention_bwd
 from .kernels.attention_fp8_bwd import attention_fp8_bwd
 from .kernels.attention_fp8_fwd import attention_fp8_fwd, fp8_tiles
-from .kernels.attention_fwd import LOG2E
 from .kernels.configs import cdiv
 from .kernels.fp8_quant import fp8_dequantize, fp8_quantize
 from .kernels.hadamard import hadamard, padded_dim
@@ -202,7 +202,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse2, *_):
     """fp8="forward": the 16-bit backward kernels on the forward's scores; fp8="full": the FP8 kernels."""
-    dlse = None if dlse2 is None else dlse2 * LOG2E
+    dlse = kernel_dlse(dlse2)
     if ctx.fp8_backward:
         q, k, v, out, lse2 = ctx.saved_tensors
         dq, dk, dv = _attention_fp8_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate)

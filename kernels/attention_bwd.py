@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale, dropout_args, key_bias_arg,
-                            precision_for, split_scale)
+from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale, _visible, dropout_args,
+                            key_bias_arg, precision_for, split_scale)
 
 
 @triton.jit
@@ -213,10 +213,7 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, str
             qk += _key_bias(kb_base, cols, seq_k)[None, :]
         p = tl.exp2(qk - lse2[:, None])
         if MASKED:
-            visible = cols[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(_visible(offs_m[:, None], cols[None, :], seq_k, causal_offset, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=dq.dtype)
         if DROPOUT:
             keep = _dropout_keep(seed, rng_base, offs_m[:, None], cols[None, :], seq_k, dropout_p)
@@ -305,6 +302,18 @@ _attention_bwd_dq_tuned = configs.autotuned(attention_bwd_dq_kernel, configs.DQ_
 PREPROCESS_BLOCK_M = 64
 
 
+def backward_delta(out: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dO * O) - dlse, (B, H_q, N_q) like ``lse`` (contiguous, the accumulator's dtype), by the
+    preprocess kernel; out, do: (B, H_q, N_q, D), any strides. Shared by the 16-bit and the FP8 backward."""
+    batch, heads_q, seq_q, head_dim = out.shape
+    delta = torch.empty_like(lse)
+    block_m = 16 if configs.INTERPRET else PREPROCESS_BLOCK_M
+    attention_bwd_preprocess_kernel[(configs.cdiv(seq_q, block_m), heads_q, batch)](
+        out, do, dlse.contiguous() if dlse is not None else delta, delta, *out.stride(), *do.stride(), seq_q,
+        HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_M=block_m, HAS_DLSE=dlse is not None)
+    return delta
+
+
 def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
                   key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0):
     """Launch the backward kernels. Returns (dq, dk, dv), each ``empty_like`` its input.
@@ -319,14 +328,9 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
-    delta = torch.empty_like(lse)
+    delta = backward_delta(out, do, dlse, lse)
     bd = configs.block_d(head_dim)
     group = heads_q // heads_kv
-    pre_block = 16 if configs.INTERPRET else PREPROCESS_BLOCK_M
-    attention_bwd_preprocess_kernel[(configs.cdiv(seq_q, pre_block), heads_q, batch)](
-        out, do, dlse.contiguous() if dlse is not None else delta, delta,
-        *out.stride(), *do.stride(), seq_q,
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre_block, HAS_DLSE=dlse is not None)
 
     meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, PRECISION=precision_for(q.dtype),
                 HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_bwd import attention_bwd_preprocess_kernel
+from .attention_bwd import backward_delta
 from .attention_fwd import LOG2E, _load_rows
 from .fp8_quant import _quantize_tile, _to_e4m3, fp8_quantize
 
@@ -198,11 +198,7 @@ def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal:
     cfg = configs.fp8_bwd_config(max(seq_q, seq_k))
     block = cfg["BLOCK"]
     lse = lse.contiguous()
-    delta = torch.empty_like(lse)
-    pre_block = 16 if configs.INTERPRET else 64
-    attention_bwd_preprocess_kernel[(configs.cdiv(seq_q, pre_block), heads_q, batch)](
-        out, do, dlse.contiguous() if dlse is not None else delta, delta, *out.stride(), *do.stride(), seq_q,
-        HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_M=pre_block, HAS_DLSE=dlse is not None)
+    delta = backward_delta(out, do, dlse, lse)
     q8, q_scales = fp8_quantize(q_for_scores, block)
     k8, k_scales = fp8_quantize(k_for_scores, block)
     v8, v_scales = fp8_quantize(v, block)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import LOG2E, _load_rows, allocate_outputs
+from .attention_fwd import LOG2E, _load_rows, _visible, allocate_outputs
 from .fp8_quant import _to_e4m3, fp8_quantize
 
 LOG2_448 = tl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
@@ -57,10 +57,7 @@ def _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base
         if SCALE_EARLY:
             s = s * c
         if MASKED:
-            visible = cols[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(_visible(offs_m[:, None], cols[None, :], seq_k, causal_offset, CAUSAL), s, float("-inf"))
         if SCALE_EARLY:
             m_new = tl.maximum(m_i, tl.max(s, 1))
         else:

@@ -62,6 +62,17 @@ def _scale(x, scale, scale_lo):
 
 
 @triton.jit
+def _visible(rows, cols, seq_k, causal_offset, CAUSAL: tl.constexpr):
+    """Which scores of query rows ``rows`` and keys ``cols`` (broadcastable index tiles, either orientation)
+    exist: keys inside seq_k and, if CAUSAL, on or below the bottom-right aligned diagonal, j <= i + causal_offset
+    with causal_offset = seq_k - seq_q."""
+    visible = cols < seq_k
+    if CAUSAL:
+        visible = visible & (cols <= rows + causal_offset)
+    return visible
+
+
+@triton.jit
 def _key_bias(kb_base, cols, seq_k):
     """Log2-domain bias of keys ``cols`` (0 past seq_k, which the caller masks). kb_base: this batch row."""
     return tl.load(kb_base + cols, mask=cols < seq_k, other=0.0)
@@ -100,10 +111,7 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, s
             if HAS_KEY_BIAS:
                 qk += _key_bias(kb_base, cols, seq_k)[None, :]
         if MASKED:
-            visible = cols[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            qk = tl.where(visible, qk, float("-inf"))
+            qk = tl.where(_visible(offs_m[:, None], cols[None, :], seq_k, causal_offset, CAUSAL), qk, float("-inf"))
         if SCALE_EARLY:
             m_new = tl.maximum(m_i, tl.max(qk, 1))
         else:  # scale > 0 commutes with max: BLOCK_M multiplies here instead of BLOCK_M * BLOCK_N

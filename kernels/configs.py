@@ -15,6 +15,7 @@ Three regimes:
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
 
 import torch
@@ -172,10 +173,8 @@ DQ_CANDIDATES_WIDE = _configs([
 WIDE_HEAD_DIM = 128  # head_dim above this takes the _WIDE lists
 
 # The dK/dV kernel drops its query-row masks when seq_q is a multiple of this (EVEN_M), so every BLOCK_M it may
-# launch with (candidates, interpreter and fp64 tiles) must divide it.
+# launch with (candidates, interpreter and fp64 tiles) must divide it (tests/test_configs.py).
 EVEN_M_MULTIPLE = 128
-assert all(EVEN_M_MULTIPLE % c.kwargs["BLOCK_M"] == 0 for c in (*DKDV_CANDIDATES, *DKDV_CANDIDATES_WIDE))
-assert all(EVEN_M_MULTIPLE % t[0] == 0 for t in (INTERPRET_DKDV, INTERPRET_LONG_DKDV, FP64, FP64_WIDE))
 
 # the autotuner adds the tensors' dtypes; the key-bias / dropout variants are tuned apart (more registers)
 TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "PRECISION", "HAS_KEY_BIAS", "DROPOUT"]
@@ -227,6 +226,19 @@ def forced_configs(**per_kernel: triton.Config):
 # (N = 1k) waits for the host. The key here holds everything the autotuner's does (meta-parameters, the
 # sequence bucket, every tensor's dtype), so it never reuses a pick across the autotuner's keys.
 _picks: dict[tuple, dict] = {}
+
+
+def write_tuning_picks(path: str) -> int:
+    """Write what each autotuned launch key of this process ran with (picked here or read from Triton's disk
+    cache) to a CSV: kernel ('fwd', 'dkdv', 'dq'), key (sequence bucket, tensor dtypes, compile-time
+    arguments), BLOCK_M, BLOCK_N, num_warps, num_stages. For the benchmarks' records; returns the row count."""
+    fields = ["BLOCK_M", "BLOCK_N", "num_warps", "num_stages"]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["kernel", "key", *fields])
+        for key, cfg in _picks.items():
+            writer.writerow([key[0], repr(key[1:]), *(cfg[k] for k in fields)])
+    return len(_picks)
 
 
 def launch(name: str, tuned, kernel, grid_fn, args, dtype: torch.dtype, seq_len: int, **meta):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import importlib
 import sys
 import time
 
@@ -31,6 +30,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain import attention_backends, flash_attention
+from flashtrain.kernels import configs
 
 FIELDS = ["provider", "dtype", "D", "N", "B", "H", "H_kv", "causal", "mode", "ms", "tflops", "peak_gib",
           "status", "gpu", "torch", "triton", "date"]
@@ -228,20 +228,7 @@ def main(argv=None):
     out.close()
     print(f"wrote {len(rows)} rows to {args.out}")
     if args.tuning_out:
-        write_tuning_choices(args.tuning_out)
-
-
-def write_tuning_choices(path):
-    """The config the autotuner picked for each key of each kernel, for benchmarks/NOTES.md."""
-    fwd = importlib.import_module("flashtrain.kernels.attention_fwd")
-    bwd = importlib.import_module("flashtrain.kernels.attention_bwd")
-    tuned = {"fwd": fwd._attention_fwd_tuned, "dkdv": bwd._attention_bwd_dkdv_tuned, "dq": bwd._attention_bwd_dq_tuned}
-    with open(path, "w") as f:
-        f.write("kernel,key,BLOCK_M,BLOCK_N,num_warps,num_stages\n")
-        for name, kernel in tuned.items():
-            for key, cfg in kernel.cache.items():
-                f.write(f"{name},\"{key}\",{cfg.kwargs['BLOCK_M']},{cfg.kwargs['BLOCK_N']},"
-                        f"{cfg.num_warps},{cfg.num_stages}\n")
+        configs.write_tuning_picks(args.tuning_out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ run is recorded as OOM. Needs a CUDA GPU; writes a CSV.
     python scripts/bench_training.py --report benchmarks/results/training_h200.csv --plot PNG   # any machine
 
 An attn of the form NAME:FP8 sets the FP8 mode too (``flash_fp8:full`` is ``attn=flash_fp8 attn.fp8=full``).
-With --losses-out, every step's training loss is written as well (attn, seq, step, loss), for loss curves:
+With --tuning-out, the tiles the kernels were autotuned to (per launch key) are written too. With --losses-out,
+every step's training loss is written as well (attn, seq, step, loss), for loss curves:
 
     python scripts/bench_training.py --attn flash flash_fp8:forward flash_fp8:full --seqs 4096 --steps 300 \
         --out benchmarks/results/fp8_training_h200.csv --losses-out benchmarks/results/fp8_losses_h200.csv
@@ -114,6 +115,10 @@ def bench(args):
                     losses_file.flush()
                 print(f"{attn:6s} seq={seq:6d} {row['status']:4s} tok/s={row.get('tokens_per_s', '')} "
                       f"step={row.get('step_time_s', '')}s peak={row.get('peak_alloc_gib', '')} GiB", flush=True)
+    if args.tuning_out:
+        from flashtrain.kernels import configs
+
+        configs.write_tuning_picks(args.tuning_out)
 
 
 def report(path, plot_path=None):
@@ -207,6 +212,7 @@ def main(argv=None):
     parser.add_argument("--report", metavar="CSV", help="print the table of an existing CSV instead")
     parser.add_argument("--plot", help="with --report or --plot-losses: write a PNG")
     parser.add_argument("--losses-out", help="also write every step's training loss here")
+    parser.add_argument("--tuning-out", help="also write the kernels' autotuned configs (what the runs used)")
     parser.add_argument("--plot-losses", metavar="CSV", help="plot a --losses-out CSV to --plot instead")
     args = parser.parse_args(argv)
     if args.plot_losses:
