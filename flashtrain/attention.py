@@ -140,7 +140,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         return_lse: also return the natural-log logsumexp of each row's scaled scores (before dropout).
         fp8: None (default: the 16/32/64-bit kernels), "forward" (the forward's two matmuls in FP8 e4m3 with
             per-tile scales; the backward's matmuls in the input precision, on the forward's scores
-            recomputed from the saved inputs) or "full" (the backward's four matmuls in FP8 too, with
+            recomputed from its saved FP8 Q and K) or "full" (the backward's four matmuls in FP8 too, with
             per-tile scales for dO and dS). FP8 takes float16/bfloat16
             (or float32) inputs and returns the input dtype; quantisation happens inside. Not combinable with
             key_padding_mask or dropout yet. Numerics: ``flashtrain.fp8``.
