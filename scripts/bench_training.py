@@ -10,10 +10,13 @@ run is recorded as OOM. Needs a CUDA GPU; writes a CSV.
 
 An attn of the form NAME:FP8 sets the FP8 mode too (``flash_fp8:full`` is ``attn=flash_fp8 attn.fp8=full``).
 With --tuning-out, the tiles the kernels were autotuned to (per launch key) are written too. With --losses-out,
-every step's training loss is written as well (attn, seq, step, loss), for loss curves:
+every step's training loss is written as well (attn, seq, seed, step, loss), for loss curves. --seeds repeats
+each run under other seeds (``seed=`` of conf/train.yaml: initial weights and data order): a single curve's final
+loss moves by a few percent between runs, so compare attention choices over several seeds:
 
     python scripts/bench_training.py --attn flash flash_fp8:forward flash_fp8:full --seqs 4096 --steps 300 \
-        --out benchmarks/results/fp8_training_h200.csv --losses-out benchmarks/results/fp8_losses_h200.csv
+        --seeds 1234 1 2 --out benchmarks/results/fp8_training_h200.csv \
+        --losses-out benchmarks/results/fp8_losses_h200.csv
     python scripts/bench_training.py --plot-losses benchmarks/results/fp8_losses_h200.csv --plot PNG
 """
 
@@ -27,11 +30,11 @@ import statistics
 import time
 from pathlib import Path
 
-FIELDS = ["attn", "seq", "model", "params_m", "batch", "tokens_per_step", "steps", "step_time_s", "tokens_per_s",
+FIELDS = ["attn", "seq", "seed", "model", "params_m", "batch", "tokens_per_step", "steps", "step_time_s", "tokens_per_s",
           "tflops", "mfu", "peak_alloc_gib", "peak_reserved_gib", "status", "gpu", "torch", "triton", "date"]
 
 
-def run_one(attn, seq, args, tmp):
+def run_one(attn, seq, seed, args, tmp):
     import lightning as L
     import torch
     from hydra import compose, initialize_config_dir
@@ -58,13 +61,14 @@ def run_one(attn, seq, args, tmp):
     overrides = [f"attn={name}", *([f"attn.fp8={fp8}"] if fp8 else []), f"seq_len={seq}", f"model={args.model}", f"tokens_per_step={args.tokens_per_step}",
                  f"trainer.max_steps={args.steps}", "trainer.enable_progress_bar=false", "~logger",
                  "callbacks.checkpoint=null", "trainer.val_check_interval=1000000", f"output_dir={tmp}",
-                 "+trainer.enable_model_summary=false", "+trainer.enable_checkpointing=false"]
+                 "+trainer.enable_model_summary=false", "+trainer.enable_checkpointing=false",
+                 *([f"seed={seed}"] if seed is not None else [])]
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     datamodule, module, trainer = build(cfg)
     timer = StepTimer()
     trainer.callbacks.append(timer)
-    row = dict(attn=attn, seq=seq, model=args.model, params_m=f"{module.model.num_params() / 1e6:.1f}",
+    row = dict(attn=attn, seq=seq, seed=cfg.seed, model=args.model, params_m=f"{module.model.num_params() / 1e6:.1f}",
                batch=cfg.data.batch_size, tokens_per_step=cfg.data.batch_size * cfg.data.seq_len, steps=args.steps)
     try:
         trainer.fit(module, datamodule=datamodule)
@@ -99,26 +103,31 @@ def bench(args):
                 date=datetime.date.today().isoformat())
     losses_file = open(args.losses_out, "w", newline="") if args.losses_out else None
     if losses_file:
-        loss_writer = csv.writer(losses_file)
-        loss_writer.writerow(["attn", "seq", "step", "loss", "gpu", "date"])
+        csv.writer(losses_file).writerow(["attn", "seq", "seed", "step", "loss", "gpu", "date"])
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, restval="", extrasaction="ignore")
         writer.writeheader()
         for seq in args.seqs:
-            for attn in args.attn:
-                row = dict(run_one(attn, seq, args, Path(args.tmp) / f"{attn}-{seq}"), **meta)
-                writer.writerow(row)
-                f.flush()
-                if losses_file:
-                    for step, loss in enumerate(row["losses"]):
-                        loss_writer.writerow([attn, seq, step, f"{loss:.5f}", meta["gpu"], meta["date"]])
-                    losses_file.flush()
-                print(f"{attn:6s} seq={seq:6d} {row['status']:4s} tok/s={row.get('tokens_per_s', '')} "
-                      f"step={row.get('step_time_s', '')}s peak={row.get('peak_alloc_gib', '')} GiB", flush=True)
+            for seed in args.seeds or [None]:
+                for attn in args.attn:
+                    run_row(attn, seq, seed, args, meta, writer, f, losses_file)
     if args.tuning_out:
         from flashtrain.kernels import configs
 
         configs.write_tuning_picks(args.tuning_out)
+
+
+def run_row(attn, seq, seed, args, meta, writer, f, losses_file):
+    """One run: its CSV row, its losses (if asked), a line on stdout."""
+    row = dict(run_one(attn, seq, seed, args, Path(args.tmp) / f"{attn}-{seq}"), **meta)
+    writer.writerow(row)
+    f.flush()
+    if losses_file:
+        csv.writer(losses_file).writerows([attn, seq, row["seed"], step, f"{loss:.5f}", meta["gpu"], meta["date"]]
+                                          for step, loss in enumerate(row["losses"]))
+        losses_file.flush()
+    print(f"{attn:6s} seq={seq:6d} seed={row['seed']} {row['status']:4s} tok/s={row.get('tokens_per_s', '')} "
+          f"step={row.get('step_time_s', '')}s peak={row.get('peak_alloc_gib', '')} GiB", flush=True)
 
 
 def report(path, plot_path=None):
@@ -127,7 +136,9 @@ def report(path, plot_path=None):
         rows = list(csv.DictReader(f))
     attns = list(dict.fromkeys(r["attn"] for r in rows))  # in the order they were run
     seqs = sorted({int(r["seq"]) for r in rows})
-    get = {(r["attn"], int(r["seq"])): r for r in rows}
+    get: dict = {}
+    for r in rows:  # with several seeds, the first seed's run (tokens/s and memory do not depend on it)
+        get.setdefault((r["attn"], int(r["seq"])), r)
     first = rows[0]
     lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; "
              f"{first['model']} ({first['params_m']}M parameters), bf16-mixed, {first['tokens_per_step']} tokens "
@@ -171,32 +182,61 @@ def report(path, plot_path=None):
     return text
 
 
+def loss_curves(rows: list[dict]) -> dict:
+    """{(attn, seq, seed): [(step, loss), ...] sorted by step} from the rows of a --losses-out CSV (files written
+    before --seeds have no seed column: seed '' and one run per (attn, seq))."""
+    curves: dict = {}
+    for r in rows:
+        curves.setdefault((r["attn"], r["seq"], r.get("seed", "")), []).append((int(r["step"]), float(r["loss"])))
+    return {key: sorted(points) for key, points in curves.items()}
+
+
+def summarise_losses(curves: dict, tail: int = 20) -> list[str]:
+    """One line per run: its mean loss over the last ``tail`` steps; and per (attn, seq) run under several seeds,
+    the mean of those over the seeds, their range, and the change against the first (attn, seq)'s mean."""
+    finals: dict = {}
+    lines = []
+    for (attn, seq, seed), points in curves.items():
+        last = [loss for _, loss in points[-tail:]]
+        finals.setdefault((attn, seq), []).append(sum(last) / len(last))
+        lines.append(f"{attn} seq {seq}{f' seed {seed}' if seed else ''}: mean loss over the last {len(last)} "
+                     f"steps {finals[attn, seq][-1]:.4f}")
+    baseline = statistics.mean(next(iter(finals.values())))
+    for (attn, seq), values in finals.items():
+        if len(values) > 1:
+            mean = statistics.mean(values)
+            lines.append(f"{attn} seq {seq}: mean of {len(values)} seeds {mean:.4f} (range {min(values):.4f}-"
+                         f"{max(values):.4f}), {mean / baseline - 1:+.1%} against the first")
+    return lines
+
+
 def plot_losses(path, plot_path):
-    """Training loss against step, one line per (attn, seq), from a --losses-out CSV; prints final losses."""
+    """Training loss against step from a --losses-out CSV, one colour per (attn, seq) (one line per seed);
+    returns ``summarise_losses``' lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     with open(path) as f:
         rows = list(csv.DictReader(f))
-    curves: dict = {}
-    for r in rows:
-        curves.setdefault((r["attn"], r["seq"]), []).append((int(r["step"]), float(r["loss"])))
+    curves = loss_curves(rows)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    lines = []
-    for (attn, seq), points in curves.items():
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], label=f"{attn}, seq {seq}", lw=1.2)
-        tail = [p[1] for p in points[-20:]]
-        lines.append(f"{attn} seq {seq}: mean loss over the last {len(tail)} steps {sum(tail) / len(tail):.4f}")
+    colours: dict = {}
+    for (attn, seq, _), points in curves.items():
+        first = (attn, seq) not in colours  # one legend entry per (attn, seq)
+        colour = colours.setdefault((attn, seq), f"C{len(colours)}")
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=colour, lw=1.0,
+                label=f"{attn}, seq {seq}" if first else None)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.suptitle(f"training loss, {rows[0]['gpu']}, {rows[0]['date']}")
+    runs = len(curves) // len(colours)
+    seeds = f" ({runs} seeds per colour)" if runs > 1 else ""
+    fig.suptitle(f"training loss, {rows[0]['gpu']}, {rows[0]['date']}{seeds}")
     fig.tight_layout()
     fig.savefig(plot_path, dpi=90)
-    return "\n".join(lines)
+    return "\n".join(summarise_losses(curves))
 
 
 def main(argv=None):
@@ -208,6 +248,7 @@ def main(argv=None):
     parser.add_argument("--tokens-per-step", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--seeds", nargs="+", type=int, help="run each (attn, seq) once per seed (default: the config's)")
     parser.add_argument("--tmp", default="/tmp/flashtrain-bench")
     parser.add_argument("--report", metavar="CSV", help="print the table of an existing CSV instead")
     parser.add_argument("--plot", help="with --report or --plot-losses: write a PNG")
