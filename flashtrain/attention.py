@@ -116,7 +116,7 @@ SEED_BOUND = 2**31 - 1  # seeds stay int32-sized, so every seed runs the same co
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
                     key_padding_mask: Tensor | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                    fp8: str | None = None, hadamard: bool = True):
+                    fp8: str | None = None, hadamard: bool = True, smooth_k: bool = True):
     """Exact softmax attention, computed in tiles by Triton kernels (no seq_q x seq_k matrix in memory).
 
     Args:
@@ -147,6 +147,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         hadamard: with fp8, rotate Q and K by a fixed random-sign Hadamard matrix before quantising
             (incoherent processing: Q K^T is unchanged, outlier channels are spread out, the error drops).
             On by default; ignored without fp8.
+        smooth_k: with fp8, subtract the keys' mean over the sequence (per batch and KV head) before
+            quantising. Softmax is unchanged (each query's scores move by one constant), and the tiles' scales
+            no longer carry the component all keys share, which would otherwise dominate K's rounding and,
+            in fp8="full", dQ's (dS's rows sum to zero, so dQ = dS K cancels that component; its rounding
+            error does not). The returned LSE is corrected back. On by default; ignored without fp8.
 
     dtypes: float16, bfloat16, float32 (full fp32 products unless ``torch.backends.cuda.matmul.allow_tf32``)
     and float64; q, k and v share one and the output has it. head_dim 1..256, any sequence lengths.
@@ -160,12 +165,12 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         out (batch, heads_q, seq_q, head_dim), or (out, lse) with lse float32 (batch, heads_q, seq_q).
     """
     scale = _check_inputs(q, k, v, causal, scale, return_lse, key_padding_mask, dropout_p)
-    if fp8 is not None or not isinstance(hadamard, bool):
-        _check_fp8(q, key_padding_mask, dropout_p, fp8, hadamard)
+    if fp8 is not None or not isinstance(hadamard, bool) or not isinstance(smooth_k, bool):
+        _check_fp8(q, key_padding_mask, dropout_p, fp8, hadamard, smooth_k)
     if fp8 is not None:
         from .fp8 import fp8_attention  # imports this module: resolved at call time
 
-        out, lse2 = fp8_attention(q, k, v, causal, scale, fp8, hadamard)
+        out, lse2 = fp8_attention(q, k, v, causal, scale, fp8, hadamard, smooth_k, return_lse)
     else:
         seed = torch.randint(SEED_BOUND, (), dtype=torch.int64) if dropout_p > 0 else None
         attend = _attention_fwd_op if torch.compiler.is_compiling() else _EagerAttention.apply
@@ -175,11 +180,12 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
     return out
 
 
-def _check_fp8(q, key_padding_mask, dropout_p, fp8, hadamard) -> None:
+def _check_fp8(q, key_padding_mask, dropout_p, fp8, hadamard, smooth_k) -> None:
     if fp8 not in (None, "forward", "full"):
         raise ValueError(f"flash_attention: fp8={fp8!r}; expected None, 'forward' or 'full'")
-    if not isinstance(hadamard, bool):
-        raise TypeError(f"flash_attention: hadamard must be a bool, got {hadamard!r}")
+    for name, flag in (("hadamard", hadamard), ("smooth_k", smooth_k)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"flash_attention: {name} must be a bool, got {flag!r}")
     if fp8 is None:
         return
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

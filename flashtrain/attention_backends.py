@@ -21,9 +21,10 @@ def flash(q, k, v):
     return flash_attention(q, k, v, causal=True)
 
 
-def flash_fp8(q, k, v, fp8: str = "forward"):
-    """flashtrain's FP8 path: "forward" (FP8 forward, 16-bit backward) or "full" (FP8 backward too)."""
-    return flash_attention(q, k, v, causal=True, fp8=fp8)
+def flash_fp8(q, k, v, fp8: str = "forward", hadamard: bool = True, smooth_k: bool = True):
+    """flashtrain's FP8 path: "forward" (FP8 forward, 16-bit backward) or "full" (FP8 backward too), with
+    ``flash_attention``'s Hadamard rotation and K smoothing (both on by default)."""
+    return flash_attention(q, k, v, causal=True, fp8=fp8, hadamard=hadamard, smooth_k=smooth_k)
 
 
 def sdpa(q, k, v):

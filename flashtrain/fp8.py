@@ -16,6 +16,20 @@ Numerics:
   = Q K^T in exact arithmetic; in FP8 it spreads outlier channels over all channels, so per-tile scales are
   set by typical values rather than by the outlier. Applied in O(d log d) by a fast Walsh-Hadamard
   transform kernel (``flashtrain.kernels.hadamard``); its gradient is the inverse transform.
+* K smoothing (``smooth_k``, on by default): before the rotation and the quantisation, K loses its mean over
+  the sequence (per batch and KV head, computed in fp32, the difference rounded to the input dtype). Each
+  query's scores move by one constant, -scale * q_i . mean(K), which softmax ignores, so the output is
+  unchanged in exact arithmetic; the LSE moves by that constant and is corrected back when returned (fp32).
+  Without it, a component all keys share (trained transformers' keys often have one; SageAttention, Zhang et
+  al. 2024, smooths K for the same reason) sets the tiles' scales and coarsens the rounding of what tells the
+  keys apart, and in ``fp8="full"`` it multiplies dS's rounding error in dQ = dS K: dS's rows sum to zero, so
+  exact dQ cancels the shared component, while the rounding errors do not cancel. Measured through Triton's
+  interpreter with keys N(0, 1) plus 3x a shared N(0, 1) vector (128 tokens, head_dim 64, causal, fp16: the
+  setting of tests/test_attention_fp8.py::test_smoothing_keys_with_a_shared_component), error against exact
+  attention: output 8.1% -> 4.5%, ``"full"``'s dQ 20% -> 6.6%, dK 9.3% -> 6.6%, dV 8.2% -> 4.7%, the LSE
+  0.26 -> 0.04 (largest absolute error). Without a shared component the errors stay within 4% of the
+  unsmoothed ones (``"full"``'s dV 4.7% -> 4.8%, the LSE 0.049 -> 0.042). Gradients flow back through the
+  centring (plain autograd around the FP8 op).
 * Forward (``flashtrain.kernels.attention_fp8_fwd``): Q (rotated), K (rotated) and V are quantised per
   tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is stored transposed (K-major,
   the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T accumulates in fp32 and is
@@ -59,6 +73,7 @@ from .attention import kernel_dlse
 from .kernels.attention_bwd import attention_bwd
 from .kernels.attention_fp8_bwd import attention_fp8_bwd
 from .kernels.attention_fp8_fwd import attention_fp8_fwd, fp8_tiles
+from .kernels.attention_fwd import LOG2E
 from .kernels.configs import cdiv
 from .kernels.fp8_quant import fp8_dequantize, fp8_quantize
 from .kernels.hadamard import hadamard, padded_dim
@@ -100,12 +115,28 @@ def _rotation_signs(head_dim: int, device: torch.device) -> Tensor:
     return random_signs(head_dim, seed=0, device=device)
 
 
+def _smooth_keys(k: Tensor) -> Tensor:
+    """K minus its mean over the sequence (per batch and KV head, mean in fp32), in K's dtype (K smoothing)."""
+    return (k - k.mean(dim=2, keepdim=True, dtype=torch.float32)).to(k.dtype)
+
+
+def _smoothed_keys_grad(dk: Tensor) -> Tensor:
+    """The gradient through ``_smooth_keys``: dK minus its mean over the sequence (the centring's Jacobian)."""
+    return (dk - dk.mean(dim=2, keepdim=True, dtype=torch.float32)).to(dk.dtype)
+
+
+# K smoothing runs inside the custom ops (not as torch ops around them), so that torch.compile runs the same
+# code as eager mode: Inductor's own fusion of the mean would round differently, and one flipped e4m3 rounding
+# changes the result's bits.
 @torch.library.custom_op("flashtrain::attention_fp8_fwd", mutates_args=())
 def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool,
-                          fp8_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                          fp8_backward: bool, smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, q8, q_scales, k8, k_scales): the quantised (rotated) Q and K are outputs too, so that
     fp8="forward"'s backward recomputes the forward's scores from them instead of rotating and quantising
-    again (non-differentiable; empty for fp8="full", whose backward quantises in its own tiles)."""
+    again (non-differentiable; empty for fp8="full", whose backward quantises in its own tiles). With
+    smooth_k, the kernels see ``_smooth_keys(k)`` and lse is the LSE of those scores."""
+    if smooth_k:
+        k = _smooth_keys(k)
     rotated_q = rotated_k = None
     if rotate:  # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation
         signs = _rotation_signs(q.shape[-1], q.device)
@@ -117,7 +148,7 @@ def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: 
 
 
 @_attention_fp8_fwd_op.register_fake
-def _(q, k, v, causal, scale, rotate, fp8_backward):
+def _(q, k, v, causal, scale, rotate, fp8_backward, smooth_k):
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
     if fp8_backward:
         return out, lse, *(q.new_empty(0, dtype=dt) for dt in (torch.float8_e4m3fn, torch.float32) * 2)
@@ -132,31 +163,36 @@ def _(q, k, v, causal, scale, rotate, fp8_backward):
 
 @torch.library.custom_op("flashtrain::attention_fp8_bwd", mutates_args=())
 def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          dlse: Tensor | None, causal: bool, scale: float,
-                          rotate: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py); dQ and dK are rotated back."""
+                          dlse: Tensor | None, causal: bool, scale: float, rotate: bool,
+                          smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py); dQ and dK are rotated back, and with
+    smooth_k K is smoothed as in the forward (same bits) and dK passes back through the centring."""
+    if smooth_k:
+        k = _smooth_keys(k)
     if not rotate:
         dq, dk, dv = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    signs = _rotation_signs(q.shape[-1], q.device)
-    dq_rot, dk_rot, dv = attention_fp8_bwd(dout, hadamard(q, signs), hadamard(k, signs), v, out, lse, dlse,
-                                           causal, scale)
-    # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), cut back to head_dim
-    dq = hadamard(dq_rot, signs, inverse=True, out_dim=q.shape[-1])
-    dk = hadamard(dk_rot, signs, inverse=True, out_dim=k.shape[-1])
+    else:
+        signs = _rotation_signs(q.shape[-1], q.device)
+        dq_rot, dk_rot, dv = attention_fp8_bwd(dout, hadamard(q, signs), hadamard(k, signs), v, out, lse, dlse,
+                                               causal, scale)
+        # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), cut back to head_dim
+        dq = hadamard(dq_rot, signs, inverse=True, out_dim=q.shape[-1])
+        dk = hadamard(dk_rot, signs, inverse=True, out_dim=k.shape[-1])
+    if smooth_k:
+        dk = _smoothed_keys_grad(dk)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @_attention_fp8_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate):  # the kernels' outputs are contiguous
+def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k):  # the kernels' outputs are contiguous
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.custom_op("flashtrain::attention_fp8_forward_bwd", mutates_args=())
 def _attention_fp8_forward_bwd_op(dout: Tensor, q8: Tensor, q_scales: Tensor, k8: Tensor, k_scales: Tensor,
                                   v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
-                                  scale: float, rotate: bool, block_m: int,
-                                  block_n: int) -> tuple[Tensor, Tensor, Tensor]:
+                                  scale: float, rotate: bool, block_m: int, block_n: int,
+                                  smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
     """fp8="forward": the 16-bit backward kernels, on the scores the FP8 forward computed.
 
     q8, k8 and their scales are the forward's quantised (rotated) Q and K, in tiles of block_m / block_n rows;
@@ -165,7 +201,7 @@ def _attention_fp8_forward_bwd_op(dout: Tensor, q8: Tensor, q_scales: Tensor, k8
     the unquantised Q and K instead (the first version) let rows sum to exp(LSE_exact - LSE_fp8), 0.3-2.3 on
     logits 8x sharper than N(0, 1) inputs', and gpt2-small training diverged after ~180 steps
     (benchmarks/NOTES.md). The gradient passes straight through the quantisation and back through the
-    rotation; dV and dP use the unquantised V and dO.
+    rotation (and with smooth_k, through the forward's K smoothing); dV and dP use the unquantised V and dO.
     """
     head_dim = v.shape[-1]
     q_scores = fp8_dequantize(q8, q_scales, block_m, v.dtype)
@@ -178,18 +214,20 @@ def _attention_fp8_forward_bwd_op(dout: Tensor, q8: Tensor, q_scales: Tensor, k8
         signs = _rotation_signs(head_dim, v.device)
         dq = hadamard(dq, signs, inverse=True, out_dim=head_dim)
         dk = hadamard(dk, signs, inverse=True, out_dim=head_dim)
+    if smooth_k:
+        dk = _smoothed_keys_grad(dk)
     return dq.contiguous(), dk.contiguous(), dv[..., :head_dim].contiguous()  # contiguous, as the fake says
 
 
 @_attention_fp8_forward_bwd_op.register_fake
-def _(dout, q8, q_scales, k8, k_scales, v, out, lse, dlse, causal, scale, rotate, block_m, block_n):
+def _(dout, q8, q_scales, k8, k_scales, v, out, lse, dlse, causal, scale, rotate, block_m, block_n, smooth_k):
     head_dim = v.shape[-1]
     return (v.new_empty((*q8.shape[:3], head_dim)), v.new_empty((*k8.shape[:3], head_dim)),
             v.new_empty(v.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, rotate, fp8_backward = inputs
+    q, k, v, causal, scale, rotate, fp8_backward, smooth_k = inputs
     out, lse, *quantized = output
     ctx.mark_non_differentiable(*quantized)
     if fp8_backward:  # the FP8 backward quantises Q, K, V and dO in its own tiles
@@ -197,7 +235,7 @@ def _setup_context(ctx, inputs, output):
     else:  # the forward's FP8 Q and K (half the bytes of Q and K), for its scores
         ctx.save_for_backward(*quantized, v, out, lse)
         ctx.tiles = fp8_tiles(q, k)
-    ctx.causal, ctx.scale, ctx.rotate, ctx.fp8_backward = causal, scale, rotate, fp8_backward
+    ctx.causal, ctx.scale, ctx.rotate, ctx.fp8_backward, ctx.smooth_k = causal, scale, rotate, fp8_backward, smooth_k
 
 
 def _backward(ctx, dout, dlse2, *_):
@@ -205,18 +243,31 @@ def _backward(ctx, dout, dlse2, *_):
     dlse = kernel_dlse(dlse2)
     if ctx.fp8_backward:
         q, k, v, out, lse2 = ctx.saved_tensors
-        dq, dk, dv = _attention_fp8_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate)
+        dq, dk, dv = _attention_fp8_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate,
+                                           ctx.smooth_k)
     else:
         q8, q_scales, k8, k_scales, v, out, lse2 = ctx.saved_tensors
         dq, dk, dv = _attention_fp8_forward_bwd_op(dout, q8, q_scales, k8, k_scales, v, out, lse2, dlse,
-                                                   ctx.causal, ctx.scale, ctx.rotate, *ctx.tiles)
-    return dq, dk, dv, None, None, None, None
+                                                   ctx.causal, ctx.scale, ctx.rotate, *ctx.tiles, ctx.smooth_k)
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd("flashtrain::attention_fp8_fwd", _backward, setup_context=_setup_context)
 
 
-def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mode: str, hadamard: bool):
-    """The FP8 path of ``flash_attention`` (inputs already validated there). Returns (out, log2-domain LSE)."""
-    out, lse = _attention_fp8_fwd_op(q, k, v, causal, scale, hadamard, mode == "full")[:2]
+def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mode: str, hadamard: bool,
+                  smooth_k: bool, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """The FP8 path of ``flash_attention`` (inputs already validated there). Returns (out, log2-domain LSE),
+    the LSE only if ``need_lse`` (None otherwise).
+
+    With smooth_k the kernels see K - mean(K): query i's scores all move by -scale * q_i . mean(K), which
+    softmax ignores, and the LSE by the same, added back here (plain autograd: its gradient reaches q and k).
+    """
+    out, lse = _attention_fp8_fwd_op(q, k, v, causal, scale, hadamard, mode == "full", smooth_k)[:2]
+    if not need_lse:
+        return out, None
+    if smooth_k:  # q_i . mean(K) per row, mean(K) shared by the query heads of a GQA group
+        k_mean = k.mean(dim=2, dtype=torch.float32)  # (B, H_kv, D)
+        shift = torch.einsum("bhgnd,bhd->bhgn", q.float().unflatten(1, (k.shape[1], -1)), k_mean)
+        lse = lse + shift.flatten(1, 2) * (scale * LOG2E)  # the log2-domain LSE, (B, H_q, N_q)
     return out, lse

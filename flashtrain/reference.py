@@ -93,15 +93,24 @@ def _e4m3_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-448.0, 448.0).float().to(torch.float8_e4m3fn).double() * scale
 
 
+def smooth_keys_ref(k: torch.Tensor) -> torch.Tensor:
+    """K minus its mean over the sequence (per batch and KV head; mean in float32), in K's dtype: what
+    ``flash_attention(..., fp8=..., smooth_k=True)`` hands the FP8 kernels."""
+    return (k - k.mean(dim=2, keepdim=True, dtype=torch.float32)).to(k.dtype)
+
+
 def fp8_attention_ref(q, k, v, *, causal=False, scale=None, scheme="block+hadamard", block_m=128, block_n=128,
-                      signs=None):
+                      signs=None, smooth_k=False):
     """FP8 attention simulated in float64: what an FP8 kernel computes, up to its accumulation order.
 
     scheme: "tensor" (one scale per tensor), "block" (one scale per tile of block_m query / block_n key rows,
     per batch and head), or "block+hadamard" (the same after rotating Q and K by diag(signs) H / sqrt(d')).
     Q K^T uses the dequantised Q and K; the softmax numerator P = exp(S - rowmax), in [0, 1], is rounded to
-    e4m3 with the fixed scale 1/448 before P V, and the row sum uses the unrounded P. Returns float64 output.
+    e4m3 with the fixed scale 1/448 before P V, and the row sum uses the unrounded P. ``smooth_k``: K enters as
+    ``smooth_keys_ref(k)`` (the output is the same in exact arithmetic). Returns float64 output.
     """
+    if smooth_k:
+        k = smooth_keys_ref(k)
     q, k, v = q.double(), k.double(), v.double()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if scheme.endswith("+hadamard"):
@@ -139,13 +148,23 @@ def _tile_quantize(x: torch.Tensor, block: int) -> torch.Tensor:
     return _e4m3_round_trip(tiles, scale).flatten(-4, -3).flatten(-2, -1)[..., :m, :n]
 
 
-def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, causal=False, scale=None, block=64, signs=None):
+def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, causal=False, scale=None, block=64, signs=None,
+                          smooth_k=False):
     """The FP8 backward (``fp8="full"``) simulated in float64, given the forward's ``out`` and natural-log
     ``lse``: Q, K (rotated by ``signs`` if given, in their dtype), V and dO rounded to e4m3 per tile of ``block`` rows, P to
     e4m3 with the fixed scale 1/448 for dV, dS per (block x block) tile for dQ and dK, delta from the
-    unrounded out and dout. Returns float64 (dq, dk, dv)."""
+    unrounded out and dout. ``smooth_k``: K enters as ``smooth_keys_ref(k)``, with the LSE of those scores,
+    and dK goes back through the centring. Returns float64 (dq, dk, dv)."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if smooth_k:
+        k_mean = k.mean(dim=2, keepdim=True, dtype=torch.float32).double()
+        group = q.shape[1] // k.shape[1]
+        shift = (q.double().unflatten(1, (k.shape[1], group)) @ k_mean.unsqueeze(2).transpose(-1, -2))
+        lse = lse.double() - scale * shift.flatten(1, 2)[..., 0]  # the centred scores' LSE
+        dq, dk, dv = fp8_attention_bwd_ref(q, smooth_keys_ref(k), v, out, lse, dout, causal=causal, scale=scale,
+                                           block=block, signs=signs)
+        return dq, dk - dk.mean(dim=2, keepdim=True), dv
     if signs is not None:  # rotated, then rounded to the input dtype, as the kernels' inputs are
         q, k = hadamard_ref(q, signs), hadamard_ref(k, signs)
     q, k, v, out, dout = (t.double() for t in (q, k, v, out, dout))

@@ -26,25 +26,29 @@ def make(shape, device, dtype=torch.float16, requires_grad=False, seed=0):
     return [t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in tensors]
 
 
-def simulated(q, k, v, causal, hadamard):
+def simulated(q, k, v, causal, hadamard, smooth_k=True):
     """The float64 simulation with the kernel's tiles and rotation signs."""
     cfg = configs.fp8_config(max(q.shape[2], k.shape[2]), q.shape[-1])
     signs = _rotation_signs(q.shape[-1], q.device) if hadamard else None
     return fp8_attention_ref(q, k, v, causal=causal, scheme="block+hadamard" if hadamard else "block",
-                             block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"], signs=signs)
+                             block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"], signs=signs, smooth_k=smooth_k)
+
+
+# the default (Hadamard rotation and K smoothing) and neither
+SCHEMES = pytest.mark.parametrize("hadamard, smooth_k", [(True, True), (False, False)], ids=["default", "plain"])
 
 
 @pytest.mark.usefixtures("poison_allocations")
-@pytest.mark.parametrize("hadamard", [True, False], ids=["hadamard", "plain"])
+@SCHEMES
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward_error_is_the_schemes_error(shape, causal, hadamard, device):
+def test_forward_error_is_the_schemes_error(shape, causal, hadamard, smooth_k, device):
     """Error against exact attention within 10% (+1e-3) of the simulated scheme's, and close to the simulation."""
     q, k, v = make(shape, device)
-    out = flash_attention(q, k, v, causal=causal, fp8="forward", hadamard=hadamard)
+    out = flash_attention(q, k, v, causal=causal, fp8="forward", hadamard=hadamard, smooth_k=smooth_k)
     assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
     exact = attention_ref(q, k, v, causal=causal)[0].double()  # float64 math on the fp16 inputs
-    sim = simulated(q, k, v, causal, hadamard)
+    sim = simulated(q, k, v, causal, hadamard, smooth_k)
     err, sim_err = rel_error(out, exact), rel_error(sim, exact)
     assert err <= 1.1 * sim_err + 1e-3, (err, sim_err)
     assert rel_error(out, sim) <= max(sim_err, 1e-3), (rel_error(out, sim), sim_err)
@@ -64,9 +68,37 @@ def test_outlier_benchmark(head_dim, device):
         return ((x.double() - exact) ** 2).mean().sqrt().item()
 
     baseline = rmse(fp8_attention_ref(q, k, v, scheme="tensor"))
-    rotated = rmse(flash_attention(q, k, v, fp8="forward"))
-    plain = rmse(flash_attention(q, k, v, fp8="forward", hadamard=False))
-    assert rotated < plain and rotated < 0.9 * baseline, (rotated, plain, baseline)
+    rotated = rmse(flash_attention(q, k, v, fp8="forward", smooth_k=False))
+    plain = rmse(flash_attention(q, k, v, fp8="forward", hadamard=False, smooth_k=False))
+    default = rmse(flash_attention(q, k, v, fp8="forward"))  # K smoothing: no shared component here to remove
+    assert rotated < plain and rotated < 0.9 * baseline and default < 0.9 * baseline, (rotated, plain, default,
+                                                                                       baseline)
+
+
+def test_smoothing_keys_with_a_shared_component(device):
+    """Keys that share a component (as trained models' keys do: a per-channel mean over the sequence): the
+    forward's error and fp8="full"'s dQ error grow with it unless K is smoothed (smooth_k, the default), and
+    the returned LSE, corrected back, stays exact attention's up to the FP8 error, gradient included."""
+    q, k, v = make((1, 2, 2, 128, 128, 64), device, dtype=torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    k = (k + 3 * torch.randn(1, 2, 1, 64, generator=gen).to(device)).half().requires_grad_()
+    q, v = q.half().requires_grad_(), v.half().requires_grad_()
+    dout = make((1, 2, 2, 128, 128, 64), device, seed=5)[0]
+    out_ref, lse_ref = attention_ref(q, k, v, causal=True)
+    dq_ref, dlse_dq_ref = (torch.autograd.grad(t, q, g, retain_graph=True)[0]
+                           for t, g in ((out_ref, dout), (lse_ref, torch.ones_like(lse_ref))))
+    errors = {}
+    for smooth_k in (True, False):
+        out = flash_attention(q, k, v, causal=True, fp8="forward", smooth_k=smooth_k)
+        out_full = flash_attention(q, k, v, causal=True, fp8="full", smooth_k=smooth_k)
+        dq_full = torch.autograd.grad(out_full, q, dout)[0]
+        errors[smooth_k] = rel_error(out, out_ref), rel_error(dq_full, dq_ref)
+    (out_err, dq_err), (out_err_plain, dq_err_plain) = errors[True], errors[False]
+    assert out_err < 0.7 * out_err_plain and dq_err < 0.5 * dq_err_plain, errors
+    out, lse = flash_attention(q, k, v, causal=True, fp8="forward", return_lse=True)
+    assert (lse.double() - lse_ref).abs().max() < 0.1  # 0.04 measured; uncorrected it would be off by ~3
+    dlse_dq = torch.autograd.grad(lse.sum(), q)[0]
+    assert rel_error(dlse_dq, dlse_dq_ref) < 5e-2
 
 
 @pytest.mark.usefixtures("poison_allocations")
@@ -113,10 +145,10 @@ def test_forward_mode_saves_the_fp8_q_and_k(mode, saved_fp8, device):
 
 
 @pytest.mark.usefixtures("poison_allocations")
-@pytest.mark.parametrize("hadamard", [True, False], ids=["hadamard", "plain"])
+@SCHEMES
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_full_backward(shape, causal, hadamard, device):
+def test_full_backward(shape, causal, hadamard, smooth_k, device):
     """fp8="full": gradients equal the float64 simulation of the same FP8 backward (given the kernel forward's
     output and LSE) up to fp32 accumulation order and the fp16 rounding of the result (2e-3 in the
     interpreter), and exact attention's gradients within 0.1 (FP8: 4-7% relative error measured on these shapes).
@@ -127,11 +159,12 @@ def test_full_backward(shape, causal, hadamard, device):
     (each a step of up to 6%). Measured on the H200: up to 1.1e-2 on these tiny shapes."""
     q, k, v = make(shape, device, requires_grad=True)
     dout = make(shape, device, seed=1)[0]
-    out, lse = flash_attention(q, k, v, causal=causal, fp8="full", hadamard=hadamard, return_lse=True)
+    out, lse = flash_attention(q, k, v, causal=causal, fp8="full", hadamard=hadamard, smooth_k=smooth_k,
+                               return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     block = configs.fp8_bwd_config(max(q.shape[2], k.shape[2]))["BLOCK"]
     signs = _rotation_signs(q.shape[-1], q.device) if hadamard else None
-    sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, causal=causal, block=block, signs=signs)
+    sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, causal=causal, block=block, signs=signs, smooth_k=smooth_k)
     ref = attention_ref(q, k, v, causal=causal)[0]
     exact = torch.autograd.grad(ref, (q, k, v), dout)
     for name, g, s, e in zip(("dq", "dk", "dv"), grads, sim, exact):
@@ -156,6 +189,7 @@ def test_zero_inputs_and_rows_that_see_no_key(device):
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"fp8": "fwd"}, ValueError, ["fp8='fwd'", "'forward'"]),
     ({"fp8": "forward", "hadamard": 1}, TypeError, ["hadamard must be a bool"]),
+    ({"fp8": "forward", "smooth_k": None}, TypeError, ["smooth_k must be a bool"]),
     ({"fp8": "forward", "dropout_p": 0.1}, ValueError, ["does not support", "dropout_p"]),
     ({"fp8": "full", "key_padding_mask": torch.zeros(1, 8, dtype=torch.bool)}, ValueError, ["key_padding_mask"]),
 ])
@@ -182,6 +216,7 @@ def test_scale_argument(device):
     out = flash_attention(q, k, v, fp8="forward", scale=0.3)
     exact = attention_ref(q, k, v, scale=0.3)[0].double()
     sim = fp8_attention_ref(q, k, v, scale=0.3, block_m=configs.fp8_config(33, 24)["BLOCK_M"],
-                            block_n=configs.fp8_config(33, 24)["BLOCK_N"], signs=_rotation_signs(24, q.device))
+                            block_n=configs.fp8_config(33, 24)["BLOCK_N"], signs=_rotation_signs(24, q.device),
+                            smooth_k=True)
     assert rel_error(out, exact) <= 1.1 * rel_error(sim, exact) + 1e-3
     assert not math.isclose(rel_error(out, exact), 0.0)
