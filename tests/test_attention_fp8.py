@@ -85,8 +85,8 @@ def test_smoothing_keys_with_a_shared_component(device):
     q, v = q.half().requires_grad_(), v.half().requires_grad_()
     dout = make((1, 2, 2, 128, 128, 64), device, seed=5)[0]
     out_ref, lse_ref = attention_ref(q, k, v, causal=True)
-    dq_ref, dlse_dq_ref = (torch.autograd.grad(t, q, g, retain_graph=True)[0]
-                           for t, g in ((out_ref, dout), (lse_ref, torch.ones_like(lse_ref))))
+    dq_ref = torch.autograd.grad(out_ref, q, dout, retain_graph=True)[0]
+    dlse_ref = torch.autograd.grad(lse_ref.sum(), (q, k))
     errors = {}
     for smooth_k in (True, False):
         out = flash_attention(q, k, v, causal=True, fp8="forward", smooth_k=smooth_k)
@@ -97,8 +97,8 @@ def test_smoothing_keys_with_a_shared_component(device):
     assert out_err < 0.7 * out_err_plain and dq_err < 0.5 * dq_err_plain, errors
     out, lse = flash_attention(q, k, v, causal=True, fp8="forward", return_lse=True)
     assert (lse.double() - lse_ref).abs().max() < 0.1  # 0.04 measured; uncorrected it would be off by ~3
-    dlse_dq = torch.autograd.grad(lse.sum(), q)[0]
-    assert rel_error(dlse_dq, dlse_dq_ref) < 5e-2
+    dlse = torch.autograd.grad(lse.sum(), (q, k))  # dk: through the kernels and through mean(K) in the correction
+    assert rel_error(dlse[0], dlse_ref[0]) < 5e-2 and rel_error(dlse[1], dlse_ref[1]) < 0.1  # 0.4%, 3.7% measured
 
 
 @pytest.mark.usefixtures("poison_allocations")
