@@ -115,14 +115,11 @@ def _rotation_signs(head_dim: int, device: torch.device) -> Tensor:
     return random_signs(head_dim, seed=0, device=device)
 
 
-def _smooth_keys(k: Tensor) -> Tensor:
-    """K minus its mean over the sequence (per batch and KV head, mean in fp32), in K's dtype (K smoothing)."""
-    return (k - k.mean(dim=2, keepdim=True, dtype=torch.float32)).to(k.dtype)
-
-
-def _smoothed_keys_grad(dk: Tensor) -> Tensor:
-    """The gradient through ``_smooth_keys``: dK minus its mean over the sequence (the centring's Jacobian)."""
-    return (dk - dk.mean(dim=2, keepdim=True, dtype=torch.float32)).to(dk.dtype)
+def _centred(x: Tensor) -> Tensor:
+    """x (B, H, N, D) minus its mean over the sequence (per batch and head, mean in fp32), in x's dtype. K
+    smoothing applies it to K; the centring is a symmetric projection, its own Jacobian, so the backward
+    applies it to dK too."""
+    return (x - x.mean(dim=2, keepdim=True, dtype=torch.float32)).to(x.dtype)
 
 
 # K smoothing runs inside the custom ops (not as torch ops around them), so that torch.compile runs the same
@@ -134,9 +131,9 @@ def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: 
     """(out, lse, q8, q_scales, k8, k_scales): the quantised (rotated) Q and K are outputs too, so that
     fp8="forward"'s backward recomputes the forward's scores from them instead of rotating and quantising
     again (non-differentiable; empty for fp8="full", whose backward quantises in its own tiles). With
-    smooth_k, the kernels see ``_smooth_keys(k)`` and lse is the LSE of those scores."""
+    smooth_k, the kernels see ``_centred(k)`` and lse is the LSE of those scores."""
     if smooth_k:
-        k = _smooth_keys(k)
+        k = _centred(k)
     rotated_q = rotated_k = None
     if rotate:  # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation
         signs = _rotation_signs(q.shape[-1], q.device)
@@ -168,7 +165,7 @@ def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py); dQ and dK are rotated back, and with
     smooth_k K is smoothed as in the forward (same bits) and dK passes back through the centring."""
     if smooth_k:
-        k = _smooth_keys(k)
+        k = _centred(k)
     if not rotate:
         dq, dk, dv = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale)
     else:
@@ -179,7 +176,7 @@ def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         dq = hadamard(dq_rot, signs, inverse=True, out_dim=q.shape[-1])
         dk = hadamard(dk_rot, signs, inverse=True, out_dim=k.shape[-1])
     if smooth_k:
-        dk = _smoothed_keys_grad(dk)
+        dk = _centred(dk)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -215,7 +212,7 @@ def _attention_fp8_forward_bwd_op(dout: Tensor, q8: Tensor, q_scales: Tensor, k8
         dq = hadamard(dq, signs, inverse=True, out_dim=head_dim)
         dk = hadamard(dk, signs, inverse=True, out_dim=head_dim)
     if smooth_k:
-        dk = _smoothed_keys_grad(dk)
+        dk = _centred(dk)
     return dq.contiguous(), dk.contiguous(), dv[..., :head_dim].contiguous()  # contiguous, as the fake says
 
 
