@@ -15,7 +15,8 @@ Numerics:
   (Sylvester Hadamard H, random +-1 signs, head_dim zero-padded to d' = next power of two). Q M (K M)^T
   = Q K^T in exact arithmetic; in FP8 it spreads outlier channels over all channels, so per-tile scales are
   set by typical values rather than by the outlier. Applied in O(d log d) by a fast Walsh-Hadamard
-  transform kernel (``flashtrain.kernels.hadamard``); its gradient is the inverse transform.
+  transform kernel (``flashtrain.kernels.hadamard``), output in the input dtype; its gradient is the
+  inverse transform.
 * K smoothing (``smooth_k``, on by default): before the rotation and the quantisation, K loses its mean over
   the sequence (per batch and KV head, computed in fp32, the difference rounded to the input dtype). Each
   query's scores move by one constant, -scale * q_i . mean(K), which softmax ignores, so the output is
@@ -28,8 +29,9 @@ Numerics:
   setting of tests/test_attention_fp8.py::test_smoothing_keys_with_a_shared_component), error against exact
   attention: output 8.1% -> 4.5%, ``"full"``'s dQ 20% -> 6.6%, dK 9.3% -> 6.6%, dV 8.2% -> 4.7%, the LSE
   0.26 -> 0.04 (largest absolute error). Without a shared component the errors stay within 4% of the
-  unsmoothed ones (``"full"``'s dV 4.7% -> 4.8%, the LSE 0.049 -> 0.042). Gradients flow back through the
-  centring (plain autograd around the FP8 op).
+  unsmoothed ones (``"full"``'s dV 4.7% -> 4.8%, the LSE 0.049 -> 0.042). The subtraction runs inside the
+  first kernel that reads K (the rotation, else the quantisation), after one reduction for the mean; dK goes
+  back through the centring in the op's backward, and the returned LSE's correction through plain autograd.
 * Forward (``flashtrain.kernels.attention_fp8_fwd``): Q (rotated), K (rotated) and V are quantised per
   tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is stored transposed (K-major,
   the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T accumulates in fp32 and is
@@ -115,11 +117,18 @@ def _rotation_signs(head_dim: int, device: torch.device) -> Tensor:
     return random_signs(head_dim, seed=0, device=device)
 
 
+def _seq_mean(x: Tensor) -> Tensor:
+    """x (B, H, N, D)'s mean over the sequence, (B, H, D) in fp32. K smoothing subtracts K's inside the
+    rotation or quantisation kernel, which rounds the difference to K's dtype as ``_centred`` does."""
+    return x.mean(dim=2, dtype=torch.float32)
+
+
 def _centred(x: Tensor) -> Tensor:
-    """x (B, H, N, D) minus its mean over the sequence (per batch and head, mean in fp32), in x's dtype. K
-    smoothing applies it to K; the centring is a symmetric projection, its own Jacobian, so the backward
-    applies it to dK too."""
-    return (x - x.mean(dim=2, keepdim=True, dtype=torch.float32)).to(x.dtype)
+    """x minus ``_seq_mean(x)``, in x's dtype: what K smoothing does to K (there fused into a kernel),
+    and, the centring being a symmetric projection and so its own Jacobian, what the backward does to dK. One
+    subtraction into an x-dtype output computes in fp32 and rounds on the store: the same bits as
+    ``(x - mean).to(x.dtype)``, in three passes over x instead of seven."""
+    return torch.sub(x, _seq_mean(x)[:, :, None], out=torch.empty_like(x))
 
 
 # K smoothing runs inside the custom ops (not as torch ops around them), so that torch.compile runs the same
@@ -132,13 +141,9 @@ def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: 
     fp8="forward"'s backward recomputes the forward's scores from them instead of rotating and quantising
     again (non-differentiable; empty for fp8="full", whose backward quantises in its own tiles). With
     smooth_k, the kernels see ``_centred(k)`` and lse is the LSE of those scores."""
-    if smooth_k:
-        k = _centred(k)
-    rotated_q = rotated_k = None
-    if rotate:  # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation
-        signs = _rotation_signs(q.shape[-1], q.device)
-        rotated_q, rotated_k = hadamard(q, signs), hadamard(k, signs)
-    out, lse, quantized = attention_fp8_fwd(q, k, v, causal, scale, rotated_q, rotated_k)
+    # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation (and the centring)
+    signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
+    out, lse, quantized = attention_fp8_fwd(q, k, v, causal, scale, signs, _seq_mean(k) if smooth_k else None)
     if fp8_backward:
         quantized = tuple(q.new_empty(0, dtype=t.dtype) for t in quantized)
     return out, lse, *quantized
@@ -164,17 +169,12 @@ def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
     """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py); dQ and dK are rotated back, and with
     smooth_k K is smoothed as in the forward (same bits) and dK passes back through the centring."""
-    if smooth_k:
-        k = _centred(k)
-    if not rotate:
-        dq, dk, dv = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale)
-    else:
-        signs = _rotation_signs(q.shape[-1], q.device)
-        dq_rot, dk_rot, dv = attention_fp8_bwd(dout, hadamard(q, signs), hadamard(k, signs), v, out, lse, dlse,
-                                               causal, scale)
-        # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), cut back to head_dim
-        dq = hadamard(dq_rot, signs, inverse=True, out_dim=q.shape[-1])
-        dk = hadamard(dk_rot, signs, inverse=True, out_dim=k.shape[-1])
+    signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
+    dq, dk, dv = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, signs,
+                                   _seq_mean(k) if smooth_k else None)
+    if rotate:  # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), cut to head_dim
+        dq = hadamard(dq, signs, inverse=True, out_dim=q.shape[-1])
+        dk = hadamard(dk, signs, inverse=True, out_dim=k.shape[-1])
     if smooth_k:
         dk = _centred(dk)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

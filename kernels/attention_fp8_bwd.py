@@ -29,7 +29,7 @@ import triton.language as tl
 from . import configs
 from .attention_bwd import backward_delta
 from .attention_fwd import LOG2E, _load_rows
-from .fp8_quant import _quantize_tile, _to_e4m3, fp8_quantize
+from .fp8_quant import _quantize_tile, _to_e4m3, fp8_quantize, quantize_scores_operands
 
 
 @triton.jit
@@ -180,16 +180,17 @@ def attention_fp8_bwd_dq_kernel(
              mask=(rows[:, None] < seq_q) & (offs_dk[None, :] < QK_DIM))
 
 
-def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal: bool, scale: float):
-    """Launch the FP8 backward. Returns (dq, dk, dv) in fp32: dq, dk shaped like ``q_for_scores`` /
-    ``k_for_scores`` (the rotated Q and K when the forward rotated them, else q and k), dv like v.
+def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, signs=None, k_mean=None):
+    """Launch the FP8 backward. Returns (dq, dk, dv) in fp32: dq, dk with respect to the scores' Q and K
+    (rotated, (B, H, N, D'), when ``signs`` is given, as in the forward), dv like v.
 
-    do, out: (B, H_q, N_q, D); lse: (B, H_q, N_q) log2-domain fp32 from the FP8 forward; dlse: the gradient
-    of the natural-log LSE or None.
+    q, do, out: (B, H_q, N_q, D); k, v: (B, H_kv, N_k, D); lse: (B, H_q, N_q) log2-domain fp32 from the FP8
+    forward; dlse: the gradient of the natural-log LSE or None. ``signs`` and ``k_mean``: the forward's
+    rotation and K smoothing, applied to Q and K as there (``quantize_scores_operands``).
     """
     batch, heads_q, seq_q, head_dim = do.shape
     heads_kv, seq_k = v.shape[1], v.shape[2]
-    qk_dim = q_for_scores.shape[3]
+    qk_dim = head_dim if signs is None else signs.numel()
     dq = torch.zeros((batch, heads_q, seq_q, qk_dim), device=do.device, dtype=torch.float32)
     dk = torch.zeros((batch, heads_kv, seq_k, qk_dim), device=do.device, dtype=torch.float32)
     dv = torch.zeros((batch, heads_kv, seq_k, head_dim), device=do.device, dtype=torch.float32)
@@ -199,8 +200,7 @@ def attention_fp8_bwd(do, q_for_scores, k_for_scores, v, out, lse, dlse, causal:
     block = cfg["BLOCK"]
     lse = lse.contiguous()
     delta = backward_delta(out, do, dlse, lse)
-    q8, q_scales = fp8_quantize(q_for_scores, block)
-    k8, k_scales = fp8_quantize(k_for_scores, block)
+    q8, q_scales, k8, k_scales = quantize_scores_operands(q, k, block, block, signs, k_mean)
     v8, v_scales = fp8_quantize(v, block)
     do8, do_scales = fp8_quantize(do, block)
     meta = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import configs
 from .attention_fwd import LOG2E, _load_rows, _visible, allocate_outputs
-from .fp8_quant import _to_e4m3, fp8_quantize
+from .fp8_quant import _to_e4m3, fp8_quantize, quantize_scores_operands
 
 LOG2_448 = tl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
 
@@ -155,22 +155,22 @@ def attention_fp8_fwd_kernel(
     tl.store(LSE + (off_b.to(tl.int64) * heads_q + off_h) * seq_q + offs_m, lse, mask=row_ok)
 
 
-def attention_fp8_fwd(q, k, v, causal: bool, scale: float, rotated_q=None, rotated_k=None):
+def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=None):
     """Quantise and launch. Returns (out, lse, (q8, q_scales, k8, k_scales)): out and lse as ``attention_fwd``
     (out in q's dtype, LSE log2 fp32), then the quantised Q and K the scores came from (``fp8_quantize``'s
     outputs, in tiles of ``fp8_tiles``), for a backward that recomputes those scores.
 
-    q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), float16/bfloat16, validated by the caller. ``rotated_q`` and
-    ``rotated_k`` (B, H, N, D') are Q and K after the Hadamard rotation (D' >= D), or None to quantise q and
-    k as they are; their product is what the scores are computed from, V is never rotated.
+    q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), float16/bfloat16, validated by the caller. ``signs`` (D'):
+    Q and K are rotated by the Hadamard transform before they are quantised (q8, k8 are (B, H, N, D')), or
+    None; ``k_mean`` (B, H_kv, D) float32: subtracted from K first (K smoothing), or None
+    (``quantize_scores_operands``). V is never rotated.
     """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     out, lse, done = allocate_outputs(q, k)
     cfg = fp8_launch_config(q, k)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    q8, q_scales = fp8_quantize(q if rotated_q is None else rotated_q, block_m)
-    k8, k_scales = fp8_quantize(k if rotated_k is None else rotated_k, block_n)
+    q8, q_scales, k8, k_scales = quantize_scores_operands(q, k, block_m, block_n, signs, k_mean)
     quantized = (q8, q_scales, k8, k_scales)
     if done:
         return out, lse, quantized

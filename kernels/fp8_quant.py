@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .hadamard import check_mean, hadamard
 
 E4M3_MAX = 448.0
 
@@ -63,61 +64,126 @@ def _pow2_at_least(x):
 
 
 @triton.jit
-def _quantize_tile(x, POW2_SCALE: tl.constexpr):
-    """(x8, scale): the fp32 tile x in e4m3 with one scale, amax / 448 (448: e4m3's largest finite value),
-    rounded up to a power of two if POW2_SCALE; 1 for an all-zero tile."""
-    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+def _tile_scale(amax, POW2_SCALE: tl.constexpr):
+    """A tile's scale from its largest magnitude: amax / 448 (448: e4m3's largest finite value), rounded up to
+    a power of two if POW2_SCALE; 1 for an all-zero tile."""
     if POW2_SCALE:
-        scale = tl.where(amax > 0.0, _pow2_at_least(amax / 448.0), 1.0)
-    else:
-        scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
-    x8 = _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
-    return x8, scale
+        return tl.where(amax > 0.0, _pow2_at_least(amax / 448.0), 1.0)
+    return tl.where(amax > 0.0, amax / 448.0, 1.0)
+
+
+@triton.jit
+def _quantize_with_scale(x, scale):
+    """fp32 x / scale in e4m3, clamped to e4m3's finite range."""
+    return _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+
+
+@triton.jit
+def _quantize_tile(x, POW2_SCALE: tl.constexpr):
+    """(x8, scale): the fp32 tile x in e4m3 with one scale (``_tile_scale``)."""
+    scale = _tile_scale(tl.max(tl.max(tl.abs(x), 1), 0), POW2_SCALE)
+    return _quantize_with_scale(x, scale), scale
+
+
+@triton.jit
+def _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CENTRE: tl.constexpr):
+    """(rows, BLOCK_D) fp32: rows of X, centred if CENTRE with the rounding of ``flashtrain.fp8._centred``
+    (the difference in fp32, fp64 for fp64 X, rounded to X's dtype); rows >= seq and columns >= HEAD_DIM are
+    zero."""
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows[:, None] < seq
+    x = tl.load(X + x_base + rows[:, None] * stride_xn + offs_d[None, :] * stride_xd,
+                mask=row_ok & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if CENTRE:
+        acc_dtype = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+        mean = tl.load(MEAN + mean_base + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(acc_dtype)
+        x = tl.where(row_ok, x.to(acc_dtype) - mean[None, :], 0.0).to(X.dtype.element_ty)
+    return x.to(tl.float32)
 
 
 @triton.jit
 def fp8_quantize_kernel(
-    X, Q, S,
+    X, MEAN, Q, S,
     stride_xb, stride_xh, stride_xn, stride_xd,
     seq,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    CENTRE: tl.constexpr,
 ):
     """One program: one tile of BLOCK_N rows of one (batch, head). Grid (cdiv(seq, BLOCK_N), H, B).
 
     X: (B, H, seq, HEAD_DIM), any strides and float dtype. Q: same shape, contiguous, float8_e4m3fn.
-    S: (B, H, cdiv(seq, BLOCK_N)) float32, contiguous.
+    S: (B, H, cdiv(seq, BLOCK_N)) float32, contiguous. CENTRE: subtract MEAN (B, H, HEAD_DIM) fp32 first.
+    A tile of more than CHUNK rows is read twice, chunk by chunk, once for its amax and once to quantise
+    (the second read mostly from L2), so that registers hold CHUNK rows and not the whole tile.
     """
     pid_n = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < seq) & (offs_d[None, :] < HEAD_DIM)
-    x = tl.load(X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
-                + rows[:, None] * stride_xn + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_tile(x, True)
     head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
-    tl.store(Q + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], q, mask=mask)
+    x_base = off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
+    offs_d = tl.arange(0, BLOCK_D)
+    if CHUNK == BLOCK_N:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        x = _prepared_rows(X, MEAN, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D,
+                           CENTRE)
+        q, scale = _quantize_tile(x, True)
+        tl.store(Q + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], q,
+                 mask=(rows[:, None] < seq) & (offs_d[None, :] < HEAD_DIM))
+    else:
+        amax = 0.0
+        for c in tl.static_range(0, BLOCK_N, CHUNK):
+            rows = pid_n * BLOCK_N + c + tl.arange(0, CHUNK)
+            x = _prepared_rows(X, MEAN, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, HEAD_DIM,
+                               BLOCK_D, CENTRE)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
+        scale = _tile_scale(amax, True)
+        for c in tl.static_range(0, BLOCK_N, CHUNK):
+            rows = pid_n * BLOCK_N + c + tl.arange(0, CHUNK)
+            x = _prepared_rows(X, MEAN, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, HEAD_DIM,
+                               BLOCK_D, CENTRE)
+            tl.store(Q + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], _quantize_with_scale(x, scale),
+                     mask=(rows[:, None] < seq) & (offs_d[None, :] < HEAD_DIM))
     tl.store(S + head * tl.num_programs(0) + pid_n, scale)
 
 
-def fp8_quantize(x: torch.Tensor, block_n: int):
+# Elements (fp32) of one chunk of rows the quantisation kernel holds in registers at a time, at 4 warps.
+# Read from the sm_90 compile (ptxas -v): a (128, 256) tile whole spills 188 bytes at 255 registers; a
+# (128, 128) tile takes 168 registers and no spills, and so do (64, 256) chunks.
+QUANT_CHUNK_ELEMENTS = 16384
+
+
+def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None):
     """Quantise x (B, H, N, D) to e4m3 with one fp32 scale per tile of ``block_n`` rows.
 
     Returns (q, scales): q (B, H, N, D) float8_e4m3fn, contiguous; scales (B, H, cdiv(N, block_n)) float32,
-    with x ~= q.float() * scales repeated over each tile's rows.
+    with x ~= q.float() * scales repeated over each tile's rows. ``mean`` (B, H, D) float32: subtracted
+    first, the difference rounded to x's dtype (K smoothing; the bits of ``flashtrain.fp8._centred``).
     """
     if x.dim() != 4:
         raise ValueError(f"fp8_quantize: x must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"fp8_quantize: block_n={block_n}; expected a power of two >= 16")
     batch, heads, seq, head_dim = x.shape
+    check_mean("fp8_quantize", mean, (batch, heads, head_dim))
     q = torch.empty((batch, heads, seq, head_dim), device=x.device, dtype=torch.float8_e4m3fn)
     scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=x.device, dtype=torch.float32)
     if q.numel():
+        block_d = configs.block_d(head_dim)
         fp8_quantize_kernel[(configs.cdiv(seq, block_n), heads, batch)](
-            x, q, scales, *x.stride(), seq, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_N=block_n)
+            x, x if mean is None else mean.contiguous(), q, scales, *x.stride(), seq, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=max(1, min(block_n, QUANT_CHUNK_ELEMENTS // block_d)),
+            CENTRE=mean is not None)
     return q, scales
+
+
+def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mean=None):
+    """(q8, q_scales, k8, k_scales): Q and K as FP8 scores take them. With ``signs`` (D'), both go through the
+    Hadamard rotation first (q8, k8 then (B, H, N, D')); with ``k_mean`` (B, H_kv, D) float32, K is centred
+    before (K smoothing), fused into whichever kernel reads K first."""
+    if signs is not None:
+        q, k, k_mean = hadamard(q, signs), hadamard(k, signs, mean=k_mean), None
+    return (*fp8_quantize(q, block_q), *fp8_quantize(k, block_k, mean=k_mean))
 
 
 def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, block_n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -30,17 +30,24 @@ def _butterfly(x, R: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def hadamard_kernel(X, SIGNS, Y, n_rows, d_in, d_out, norm, norm_lo,
-                    D: tl.constexpr, BLOCK_R: tl.constexpr, SIGNS_FIRST: tl.constexpr):
+def hadamard_kernel(X, SIGNS, Y, MEAN, n_rows, d_in, d_out, rows_per_mean, norm, norm_lo,
+                    D: tl.constexpr, BLOCK_R: tl.constexpr, SIGNS_FIRST: tl.constexpr, CENTRE: tl.constexpr):
     """One program: BLOCK_R rows. X (n_rows, d_in), Y (n_rows, d_out), both contiguous; D = next pow2 >= d_in.
 
     SIGNS_FIRST: forward (signs, then H); else inverse (H, then signs). (norm, norm_lo): split 1/sqrt(D).
+    CENTRE: first subtract MEAN (n_rows / rows_per_mean, d_in) fp32, row r its row r // rows_per_mean, and
+    round the difference to X's dtype (as ``flashtrain.fp8._centred``).
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, D)
     acc_dtype = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
-    x = tl.load(X + rows[:, None].to(tl.int64) * d_in + cols[None, :],
-                mask=(rows[:, None] < n_rows) & (cols[None, :] < d_in), other=0.0).to(acc_dtype)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < d_in)
+    x = tl.load(X + rows[:, None].to(tl.int64) * d_in + cols[None, :], mask=mask, other=0.0)
+    if CENTRE:
+        mean = tl.load(MEAN + (rows // rows_per_mean)[:, None].to(tl.int64) * d_in + cols[None, :], mask=mask,
+                       other=0.0)
+        x = tl.where(mask, x.to(acc_dtype) - mean.to(acc_dtype), 0.0).to(X.dtype.element_ty)
+    x = x.to(acc_dtype)
     signs = tl.load(SIGNS + cols).to(acc_dtype)
     if SIGNS_FIRST:
         x = x * signs[None, :]
@@ -73,9 +80,12 @@ def padded_dim(head_dim: int) -> int:
     return max(2, configs.next_power_of_2(head_dim))
 
 
-def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_dim: int | None = None):
+def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_dim: int | None = None,
+             mean: torch.Tensor | None = None):
     """Forward: (..., d) -> (..., d'), y = (x * signs) @ H / sqrt(d'). Inverse: (..., d') -> (..., out_dim),
-    x = (y @ H / sqrt(d') * signs)[..., :out_dim]. ``signs``: (d',) of +-1; d' = padded_dim(d) <= 256."""
+    x = (y @ H / sqrt(d') * signs)[..., :out_dim]. ``signs``: (d',) of +-1; d' = padded_dim(d) <= 256.
+    ``mean`` (forward only; x (B, H, N, d), mean (B, H, d) float32): x - mean first, rounded to x's dtype
+    (K smoothing, fused here; the bits of ``flashtrain.fp8._centred`` followed by the transform)."""
     d_in = x.shape[-1]
     d = signs.numel()
     expected = d_in if inverse else padded_dim(d_in)
@@ -83,12 +93,24 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_di
         raise ValueError(f"hadamard: signs has {d} entries; expected {expected} for input width {d_in}")
     if d > 256:
         raise ValueError(f"hadamard: transform width {d} > 256")
+    if mean is not None:
+        if inverse or x.dim() != 4:
+            raise ValueError(f"hadamard: mean is for the forward transform of a (B, H, N, D) x; got inverse="
+                             f"{inverse}, x of shape {tuple(x.shape)}")
+        check_mean("hadamard", mean, (x.shape[0], x.shape[1], d_in))
     d_out = d if not inverse else (out_dim or d)
     rows = x.reshape(-1, d_in).contiguous()
     y = torch.empty((rows.shape[0], d_out), device=x.device, dtype=x.dtype)
     block_r = 16
     if rows.shape[0]:
         hadamard_kernel[(configs.cdiv(rows.shape[0], block_r),)](
-            rows, signs.to(device=x.device).contiguous(), y, rows.shape[0], d_in, d_out,
-            *split_scale(1.0 / math.sqrt(d)), D=d, BLOCK_R=block_r, SIGNS_FIRST=not inverse)
+            rows, signs.to(device=x.device).contiguous(), y, rows if mean is None else mean.contiguous(),
+            rows.shape[0], d_in, d_out, x.shape[2] if mean is not None else 1, *split_scale(1.0 / math.sqrt(d)),
+            D=d, BLOCK_R=block_r, SIGNS_FIRST=not inverse, CENTRE=mean is not None)
     return y.view(*x.shape[:-1], d_out)
+
+
+def check_mean(fn: str, mean: torch.Tensor | None, shape: tuple) -> None:
+    """A centring mean must be float32 (B, H, D): one row per (batch, head) of the tensor it centres."""
+    if mean is not None and (tuple(mean.shape) != shape or mean.dtype != torch.float32):
+        raise ValueError(f"{fn}: mean must be float32 of shape {shape}; got {mean.dtype} {tuple(mean.shape)}")

@@ -34,6 +34,7 @@ from flashtrain.kernels.attention_fp8_bwd import (attention_fp8_bwd_dkdv_kernel,
 from flashtrain.kernels.attention_fp8_fwd import attention_fp8_fwd_kernel  # noqa: E402
 from flashtrain.kernels.attention_fwd import attention_fwd_kernel  # noqa: E402
 from flashtrain.kernels.dropout_mask import dropout_keep_mask_kernel  # noqa: E402
+from flashtrain.kernels import fp8_quant  # noqa: E402
 from flashtrain.kernels.fp8_quant import fp8_quantize_kernel  # noqa: E402
 from flashtrain.kernels.hadamard import hadamard_kernel  # noqa: E402
 
@@ -133,10 +134,14 @@ def fp8_jobs(dtype="bf16"):
             for name, kernel in (("dkdv", attention_fp8_bwd_dkdv_kernel), ("dq", attention_fp8_bwd_dq_kernel)):
                 yield (f"fp8 {name} D={head_dim} causal={causal}", kernel, bwd_ptr, meta, bwd["num_warps"],
                        bwd["num_stages"])
-        yield (f"fp8 quantize D={head_dim}", fp8_quantize_kernel, {"X": f"*{dtype}", "Q": fp8, "S": "*fp32"},
-               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=64), 4, 2)
-        yield (f"hadamard D={head_dim}", hadamard_kernel, {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}"},
-               dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True), 4, 2)
+        quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "Q": fp8, "S": "*fp32"}
+        for centre in (False, True):  # V, dO / K with smoothing; (128, 256) tiles in two chunks
+            yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}", fp8_quantize_kernel, quant_ptr,
+                   dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
+                        CHUNK=min(128, fp8_quant.QUANT_CHUNK_ELEMENTS // head_dim), CENTRE=centre), 4, 2)
+        yield (f"hadamard D={head_dim}", hadamard_kernel,
+               {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
+               dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)
 
 
 def main(argv=None) -> int:

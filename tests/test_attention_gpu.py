@@ -169,9 +169,10 @@ def test_every_tuning_candidate_with_padding_and_dropout(index, seq_q):
         assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
 
 
+@pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth_k", "plain_k"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_bf16_fp8_forward_and_full_backward(head_dim, causal):
+def test_bf16_fp8_forward_and_full_backward(head_dim, causal, smooth_k):
     """The FP8 kernels compiled for the GPU: forward error within 10% (+1e-3) of the float64 simulation's,
     full backward equal to its simulation up to bf16 rounding of the gradients."""
     from flashtrain.fp8 import _rotation_signs
@@ -182,15 +183,16 @@ def test_bf16_fp8_forward_and_full_backward(head_dim, causal):
     q = randn(batch, heads_q, seq, head_dim, dtype=torch.bfloat16).requires_grad_()
     k, v = (randn(batch, heads_kv, seq, head_dim, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
     dout = randn(batch, heads_q, seq, head_dim, dtype=torch.bfloat16)
-    out, lse = flash_attention(q, k, v, causal=causal, fp8="full", return_lse=True)
+    out, lse = flash_attention(q, k, v, causal=causal, fp8="full", return_lse=True, smooth_k=smooth_k)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     signs = _rotation_signs(head_dim, q.device)
     cfg = configs.fp8_config(seq, head_dim)
     exact = attention_ref(q, k, v, causal=causal)[0].double()
-    sim = fp8_attention_ref(q, k, v, causal=causal, block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"], signs=signs)
+    sim = fp8_attention_ref(q, k, v, causal=causal, block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"], signs=signs,
+                           smooth_k=smooth_k)
     assert rel_error(out, exact) <= 1.1 * rel_error(sim, exact) + 1e-3
     sim_grads = fp8_attention_bwd_ref(q, k, v, out, lse, dout, causal=causal,
                                       block=configs.fp8_bwd_config(seq)["BLOCK"],
-                                      signs=signs)
+                                      signs=signs, smooth_k=smooth_k)
     for name, g, s in zip(("dq", "dk", "dv"), grads, sim_grads):
         assert torch.isfinite(g).all() and rel_error(g, s) < 1e-2, (name, rel_error(g, s))

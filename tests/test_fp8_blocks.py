@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from flashtrain.fp8 import fp8_quantize, hadamard_transform, random_signs
-from flashtrain.kernels.hadamard import hadamard
+from flashtrain.fp8 import _centred, _seq_mean, fp8_quantize, hadamard_transform, random_signs
+from flashtrain.kernels import fp8_quant
+from flashtrain.kernels.hadamard import hadamard, padded_dim
 from flashtrain.reference import fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref
 
 
@@ -35,9 +36,38 @@ def test_quantize_zero_tiles_and_tails(device):
     assert q.float()[0, 0, 35, 3] * scales[0, 0, 2] == 7.0
 
 
+@pytest.mark.parametrize("chunk_elements", [16384, 512], ids=["whole_tiles", "chunked_tiles"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape, block_n", [((2, 2, 37, 40), 16), ((1, 2, 129, 64), 64), ((1, 1, 70, 256), 32)],
+                         ids=str)
+def test_centring_fused_into_quantise_and_rotate_bit_for_bit(shape, block_n, dtype, chunk_elements, device,
+                                                             monkeypatch):
+    """K smoothing's centring inside fp8_quantize and inside the Hadamard kernel gives the bits of centring as
+    its own op (``_centred``) first, also when the quantisation reads a tile in chunks of rows (twice: for its
+    amax, then to quantise)."""
+    monkeypatch.setattr(fp8_quant, "QUANT_CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=gen) * 2 + torch.randn(shape[-1], generator=gen) * 3).to(device, dtype)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # strided input
+    mean, centred = _seq_mean(x), _centred(x)
+    if dtype != torch.float64:  # e4m3 quantisation takes 16/32-bit inputs
+        q, scales = fp8_quantize(x, block_n, mean=mean)
+        ref_q, ref_scales = fp8_quantize(centred, block_n)
+        assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    signs = random_signs(padded_dim(shape[-1]), seed=3, device=device)
+    assert torch.equal(hadamard(x, signs, mean=mean), hadamard(centred, signs))
+
+
 def test_quantize_bad_input():
     with pytest.raises(ValueError, match="block_n=24"):
         fp8_quantize(torch.randn(1, 1, 4, 8), 24)
+    x = torch.randn(1, 2, 4, 24)
+    with pytest.raises(ValueError, match=r"fp8_quantize: mean must be float32 of shape \(1, 2, 24\)"):
+        fp8_quantize(x, 16, mean=torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match=r"hadamard: mean must be float32 of shape \(1, 2, 24\)"):
+        hadamard(x, torch.ones(32), mean=torch.zeros(1, 2, 24, dtype=torch.float64))
+    with pytest.raises(ValueError, match="mean is for the forward transform"):
+        hadamard(x, torch.ones(24), inverse=True, mean=torch.zeros(1, 2, 24))
 
 
 @pytest.mark.parametrize("head_dim", [1, 24, 64, 100, 256])
