@@ -38,8 +38,9 @@ SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBack
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 PROVIDERS = ["flashtrain", *SDPA_BACKENDS, "flex"]
 # optional (--providers): flashtrain's FP8 path; "forward" times the FP8 forward with the 16-bit backward,
-# "full" the FP8 forward and the FP8 backward
-FP8_PROVIDERS = {"flashtrain_fp8_fwd": "forward", "flashtrain_fp8": "full"}
+# "full" the FP8 forward and the FP8 backward; the "_nosmooth" variants switch K smoothing off (its cost)
+FP8_PROVIDERS = {"flashtrain_fp8_fwd": "forward", "flashtrain_fp8": "full",
+                 "flashtrain_fp8_fwd_nosmooth": "forward", "flashtrain_fp8_nosmooth": "full"}
 
 
 def attention_flops(batch, heads, seq, head_dim, causal, mode):
@@ -56,7 +57,8 @@ def make_provider(name, causal, seq, gqa):
     if name == "flashtrain":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
     if name in FP8_PROVIDERS:
-        return lambda q, k, v: flash_attention(q, k, v, causal=causal, fp8=FP8_PROVIDERS[name])
+        smooth_k = not name.endswith("_nosmooth")
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, fp8=FP8_PROVIDERS[name], smooth_k=smooth_k)
     if name in SDPA_BACKENDS:
         backend = SDPA_BACKENDS[name]
 
