@@ -185,7 +185,7 @@ def main(argv=None):
     source = (f"{first.gpu}, torch {first.torch}, triton {first.triton}; raw rows: {provenance(df)}. TFLOP/s "
               "(forward FLOPs 4*B*H*N*N*D, half when causal; backward 2.5x), medians of `triton.testing.do_bench`.")
     if args.fp8:
-        text = source + " FP8 with the Hadamard rotation (the default).\n\n" + fp8_table(df)
+        text = source + " FP8 with the Hadamard rotation and K smoothing (the defaults).\n\n" + fp8_table(df)
         print(text)
         if args.readme:
             replace_section(args.readme, FP8_START, FP8_END, text)
