@@ -264,7 +264,6 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, m
     if not need_lse:
         return out, None
     if smooth_k:  # q_i . mean(K) per row, mean(K) shared by the query heads of a GQA group
-        k_mean = k.mean(dim=2, dtype=torch.float32)  # (B, H_kv, D)
-        shift = torch.einsum("bhgnd,bhd->bhgn", q.float().unflatten(1, (k.shape[1], -1)), k_mean)
+        shift = torch.einsum("bhgnd,bhd->bhgn", q.float().unflatten(1, (k.shape[1], -1)), _seq_mean(k))
         lse = lse + shift.flatten(1, 2) * (scale * LOG2E)  # the log2-domain LSE, (B, H_q, N_q)
     return out, lse
