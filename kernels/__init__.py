@@ -1,6 +1,7 @@
 """Triton kernels of flashtrain, installed as ``flashtrain.kernels``.
 
-One file per operator: ``attention_fwd`` (forward), ``attention_bwd`` (backward), ``attention_fp8_fwd`` and
+One file per operator: ``attention_fwd`` (forward; ``attention_fwd_hopper`` holds its warp-specialised
+sm_90 variant in Triton's Gluon dialect), ``attention_bwd`` (backward), ``attention_fp8_fwd`` and
 ``attention_fp8_bwd`` (the FP8 path), ``fp8_quant`` (per-tile e4m3 quantisation), ``hadamard`` (the rotation
 for incoherent processing), ``dropout_mask`` (the dropout mask materialised, for tests) and ``configs``
 (launch configurations). Each ``<op>_kernel`` is a

@@ -11,6 +11,10 @@ Per query block the key range splits into
   stage 2 (on-band):  blocks crossing the diagonal and the ragged tail of seq_k: elementwise mask;
 and key blocks entirely above the diagonal are never visited.
 
+On an sm_90 GPU, fp16/bf16 inputs of a head_dim in ``configs.HOPPER_FWD_CONFIGS`` and long enough sequences
+run the warp-specialised kernel of attention_fwd_hopper.py instead: same results up to fp32 summation order,
+faster there (``hopper_forward_applies`` says when).
+
 Two optional features, compiled in only when used (constexpr flags, so the plain kernel is unchanged):
   * a per-key additive bias (HAS_KEY_BIAS), (B, seq_k): key padding masks, -inf at padded keys (or any
     float key_padding_mask as nn.MultiheadAttention adds it to the scores); the key block's slice is loaded
@@ -22,6 +26,8 @@ Two optional features, compiled in only when used (constexpr flags, so the plain
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -256,6 +262,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     out, lse, done = allocate_outputs(q, k)
     if done:
         return out, lse
+    if hopper_forward_applies(q, k, v, causal, key_padding_mask, dropout_p):
+        _hopper_module().attention_fwd_hopper(q, k, v, out, lse, causal, scale)
+        return out, lse
 
     def grid(meta):
         return (configs.cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
@@ -269,6 +278,46 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                    HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0,
                    SCALE_EARLY=q.dtype == torch.float64 or key_padding_mask is not None or scale <= 0)
     return out, lse
+
+
+def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                           key_padding_mask: torch.Tensor | None, dropout_p: float) -> bool:
+    """Whether ``attention_fwd`` runs the warp-specialised Hopper kernel (attention_fwd_hopper.py) for these
+    inputs: fp16/bf16 on an sm_90 GPU, a head_dim it has a config for, no key padding mask or dropout, every
+    row seeing a key (causal needs seq_q <= seq_k), tiles TMA can address, and (in the default "auto" mode of
+    ``configs.hopper_forward``) a sequence long enough for it to be the faster kernel."""
+    mode = configs.hopper_forward_mode()
+    if mode == "never" or configs.INTERPRET or not q.is_cuda or "fwd" in configs.forced_kernels():
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or key_padding_mask is not None or dropout_p > 0:
+        return False
+    head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
+    if head_dim not in configs.HOPPER_FWD_CONFIGS or (causal and seq_q > seq_k):
+        return False
+    if mode == "auto" and max(seq_q, seq_k) < configs.HOPPER_FWD_MIN_SEQ[(head_dim, causal)]:
+        return False
+    if not all(_tma_addressable(t) for t in (q, k, v)):
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and _hopper_module() is not None
+
+
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """TMA's rules for the per-(batch, head) (seq, head_dim) tiles: unit stride along head_dim, a 16-byte
+    aligned start for every (batch, head), a row stride of a multiple of 16 bytes."""
+    size = t.element_size()
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0 and t.stride(2) * size % 16 == 0
+            and all(t.stride(d) * size % 16 == 0 for d in (0, 1) if t.shape[d] > 1))
+
+
+@functools.cache
+def _hopper_module():
+    """attention_fwd_hopper, imported on first use (a Gluon kernel module), or None where this triton lacks
+    Gluon's Hopper API: the Triton forward runs there instead."""
+    try:
+        from . import attention_fwd_hopper
+    except ImportError:
+        return None
+    return attention_fwd_hopper
 
 
 def allocate_outputs(q: torch.Tensor, k: torch.Tensor):

@@ -172,6 +172,43 @@ DQ_CANDIDATES_WIDE = _configs([
 ])
 WIDE_HEAD_DIM = 128  # head_dim above this takes the _WIDE lists
 
+# The Hopper (sm_90) forward of attention_fwd_hopper.py, per head_dim: (BLOCK_N, STAGES, CONSUMERS, consumer
+# warpgroup registers, loader registers, ping-pong when causal, ping-pong otherwise). Fixed, not tuned: picked on
+# the H200 (benchmarks/NOTES.md, eighth session). Shared memory STAGES * 2 * BLOCK_N * D * 2 bytes of K/V plus
+# CONSUMERS * 64 * D * 2 of Q: 224 KB at D = 128 (sm_90 allows 227); registers CONSUMERS * 128 threads *
+# consumer registers, under the SM's 64K.
+HOPPER_FWD_CONFIGS = {
+    64: (128, 3, 3, 160, 32, True, True),
+    128: (128, 3, 2, 232, 40, True, False),
+}
+# Below these sequence lengths (the longer of seq_q, seq_k) the Triton forward is as fast or faster on the H200
+# and "auto" keeps it: (head_dim, causal) -> shortest sequence for the Hopper forward. From the forward sweep of
+# benchmarks/results/forward_kernels_h200_2026-11-29.csv (bf16, B*N = 16k tokens, H*D = 2048), Hopper / Triton:
+# head_dim 64 full 0.97 at 4k, 1.04 at 8k; causal 0.96 at 8k, 1.00 at 16k; head_dim 128 0.90-1.00 at 1k,
+# 1.03-1.08 at 2k, up to 1.21 at 16k.
+HOPPER_FWD_MIN_SEQ = {(64, False): 8192, (64, True): 16384, (128, False): 2048, (128, True): 2048}
+# "auto": the Hopper forward where HOPPER_FWD_MIN_SEQ says it is faster; "always": wherever it applies (tests);
+# "never": the Triton forward everywhere (benchmarks compare the two). See ``hopper_forward``.
+_hopper_forward_mode = ["auto"]
+
+
+@contextlib.contextmanager
+def hopper_forward(mode: str):
+    """Within the block, run the Hopper forward per ``mode``: "auto" (the default), "always" or "never"."""
+    if mode not in ("auto", "always", "never"):
+        raise ValueError(f"hopper_forward mode={mode!r}; expected 'auto', 'always' or 'never'")
+    saved = _hopper_forward_mode[0]
+    _hopper_forward_mode[0] = mode
+    try:
+        yield
+    finally:
+        _hopper_forward_mode[0] = saved
+
+
+def hopper_forward_mode() -> str:
+    return _hopper_forward_mode[0]
+
+
 # The dK/dV kernel drops its query-row masks when seq_q is a multiple of this (EVEN_M), so every BLOCK_M it may
 # launch with (candidates, interpreter and fp64 tiles) must divide it (tests/test_configs.py).
 EVEN_M_MULTIPLE = 128
@@ -218,6 +255,11 @@ def forced_configs(**per_kernel: triton.Config):
     finally:
         _forced.clear()
         _forced.update(saved)
+
+
+def forced_kernels() -> set[str]:
+    """Names of the kernels ``forced_configs`` currently forces."""
+    return set(_forced)
 
 
 # The autotuner's pick per launch key, looked up before triton.autotune's own: the Autotuner builds its key

@@ -3,7 +3,9 @@
 Speed: TFLOP/s of forward and backward, bf16, on the grid batch*seq = 16k tokens, heads*head_dim = 2048,
 head_dim 64 and 128, seq 1k..16k, causal and not; plus head_dim 256, seq 32k and GQA (4 query heads per
 KV head). Providers: flashtrain, SDPA's flash / cuDNN / efficient backends, FlexAttention (compiled); on
-request (--providers) flashtrain's FP8 path: flashtrain_fp8_fwd (fp8="forward") and flashtrain_fp8 ("full").
+request (--providers) flashtrain's FP8 path: flashtrain_fp8_fwd (fp8="forward") and flashtrain_fp8 ("full"),
+and flashtrain with its forward kernel fixed: flashtrain_triton (the Triton forward), flashtrain_hopper (the
+warp-specialised Hopper forward wherever it applies); plain flashtrain picks between them.
 FLOPs: forward 4*B*H*N*N*D (half when causal), backward 2.5x forward. Medians of triton.testing.do_bench,
 each after one untimed call (compile, autotune) and 0.3 s of GPU warm-up.
 
@@ -41,6 +43,9 @@ PROVIDERS = ["flashtrain", *SDPA_BACKENDS, "flex"]
 # "full" the FP8 forward and the FP8 backward; the "_nosmooth" variants switch K smoothing off (its cost)
 FP8_PROVIDERS = {"flashtrain_fp8_fwd": "forward", "flashtrain_fp8": "full",
                  "flashtrain_fp8_fwd_nosmooth": "forward", "flashtrain_fp8_nosmooth": "full"}
+# optional: flashtrain with its forward kernel chosen by hand (configs.hopper_forward), "flashtrain" being "auto":
+# the Triton forward everywhere, or the warp-specialised Hopper forward wherever it applies
+FORWARD_PROVIDERS = {"flashtrain_triton": "never", "flashtrain_hopper": "always"}
 
 
 def attention_flops(batch, heads, seq, head_dim, causal, mode):
@@ -56,6 +61,11 @@ def make_provider(name, causal, seq, gqa):
     """fn(q, k, v) -> out for one provider (q: (B, H, N, D), k/v: (B, H_kv, N, D))."""
     if name == "flashtrain":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if name in FORWARD_PROVIDERS:
+        def flashtrain_forward(q, k, v, mode=FORWARD_PROVIDERS[name]):
+            with configs.hopper_forward(mode):
+                return flash_attention(q, k, v, causal=causal)
+        return flashtrain_forward
     if name in FP8_PROVIDERS:
         smooth_k = not name.endswith("_nosmooth")
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, fp8=FP8_PROVIDERS[name], smooth_k=smooth_k)
@@ -78,7 +88,7 @@ def make_provider(name, causal, seq, gqa):
         if causal:
             block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq, seq)
         return lambda q, k, v: _flex_cache["fn"](q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    known = PROVIDERS + list(FP8_PROVIDERS) + ["sdpa", "eager"]
+    known = PROVIDERS + list(FP8_PROVIDERS) + list(FORWARD_PROVIDERS) + ["sdpa", "eager"]
     raise ValueError(f"unknown provider {name!r}; expected one of {known}")
 
 
@@ -128,10 +138,10 @@ def warm_up_gpu(seconds: float = 3.0):
         torch.cuda.synchronize()
 
 
-def main_grid(seqs):
-    """(B, H, H_kv, N, D, causal): batch*seq = 16k tokens, heads*head_dim = 2048."""
+def main_grid(seqs, head_dims=(64, 128)):
+    """(B, H, H_kv, N, D, causal): batch*seq = 16k tokens, heads*head_dim = 2048; head_dims in the order given."""
     return [(16384 // seq, 2048 // head_dim, 2048 // head_dim, seq, head_dim, causal)
-            for head_dim in (64, 128) for seq in seqs for causal in (False, True)]
+            for head_dim in head_dims for seq in seqs for causal in (False, True)]
 
 
 def extra_grid():
@@ -189,11 +199,14 @@ def memory(meta, record, start):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/attention.csv")
-    parser.add_argument("--providers", nargs="+", default=PROVIDERS)
+    parser.add_argument("--providers", nargs="+", default=PROVIDERS,
+                        choices=[*PROVIDERS, *FP8_PROVIDERS, *FORWARD_PROVIDERS])
     parser.add_argument("--seqs", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--flex-seqs", nargs="+", type=int, default=None,
                         help="time Flex only at these N (default: every N of --seqs; Flex compiles once per shape, "
                              "~10 s each)")
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128],
+                        help="main grid head dims, timed in this order")
     parser.add_argument("--main-grid-only", action="store_true")
     parser.add_argument("--skip-main-grid", action="store_true", help="only the memory and extra points")
     parser.add_argument("--skip-memory", action="store_true")
@@ -222,7 +235,7 @@ def main(argv=None):
             bench_point(point, args.providers, args.flex_seqs or args.seqs, meta, record, start)
 
     if not args.skip_main_grid:
-        speed(main_grid(args.seqs))
+        speed(main_grid(args.seqs, args.head_dims))
     if not args.skip_memory:
         memory(meta, record, start)
     if not args.main_grid_only:

@@ -1,4 +1,5 @@
-"""Compile every Triton kernel of flashtrain for an NVIDIA GPU target, on any machine (no GPU needed).
+"""Compile every Triton kernel of flashtrain for an NVIDIA GPU target, on any machine (no GPU needed): the
+Triton kernels, and for sm_90 the Gluon one (the Hopper forward).
 
 Triton compiles ahead of time for a named target (``GPUTarget("cuda", 90, 32)``: Hopper), so a kernel that
 would fail to compile on the GPU box (a non-constexpr global, an unsupported FP8 layout, a type error) fails
@@ -81,14 +82,17 @@ def signature(kernel, pointers: dict, constexprs: dict) -> dict:
 def compile_one(kernel, pointers, constexprs, target, num_warps=4, num_stages=2):
     attrs, ones = specialization(kernel, pointers, constexprs)
     constexprs = {**constexprs, **ones}
-    src = ASTSource(fn=kernel, signature=signature(kernel, pointers, constexprs), constexprs=constexprs,
-                    attrs=attrs)
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():  # the Hopper forward, in Gluon
+        from triton.experimental.gluon._runtime import GluonASTSource
+        source = GluonASTSource
+    src = source(fn=kernel, signature=signature(kernel, pointers, constexprs), constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def attention_jobs(dtype="bf16", quick=False):
+def attention_jobs(dtype="bf16", quick=False, target_arch=90):
     """(name, kernel, pointers, constexprs, num_warps, num_stages) for the 16-bit kernels; ``quick``: only the
-    first candidate of each list."""
+    first candidate of each list; ``target_arch`` 90 adds the Hopper forward."""
     io = f"*{dtype}"
     common_ptr = {"Q": io, "K": io, "V": io, "O": io, "DO": io, "DQ": io, "DK": io, "DV": io, "LSE": "*fp32",
                   "DELTA": "*fp32", "KB": "*fp32", "DLSE": "*fp32"}
@@ -109,6 +113,15 @@ def attention_jobs(dtype="bf16", quick=False):
                         meta["EVEN_M"] = variant["CAUSAL"]
                     yield (f"{name} D={head_dim} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages} {variant}",
                            kernel, common_ptr, meta, cfg.num_warps, cfg.num_stages)
+    if target_arch == 90:  # the warp-specialised forward: sm_90 only (wgmma, setmaxnreg)
+        from flashtrain.kernels.attention_fwd_hopper import attention_fwd_hopper_kernel
+        for head_dim, (block_n, stages, consumers, regs, loader_regs, pp_causal, pp_full) in \
+                configs.HOPPER_FWD_CONFIGS.items():
+            for causal in (False, True):
+                meta = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers,
+                            CAUSAL=causal, PINGPONG=pp_causal if causal else pp_full, CONSUMER_REGS=regs,
+                            LOADER_REGS=loader_regs)
+                yield (f"fwd hopper D={head_dim} causal={causal}", attention_fwd_hopper_kernel, common_ptr, meta, 4, 2)
     yield ("bwd preprocess", attention_bwd_preprocess_kernel, common_ptr,
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, HAS_DLSE=True), 4, 2)
     yield ("dropout mask", dropout_keep_mask_kernel, {"KEEP": "*u8"}, dict(BLOCK_M=32, BLOCK_N=32), 4, 2)
@@ -152,7 +165,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
-    jobs = [j for j in (*attention_jobs(quick=args.quick), *fp8_jobs()) if args.only in j[0]]
+    jobs = [j for j in (*attention_jobs(quick=args.quick, target_arch=args.arch), *fp8_jobs()) if args.only in j[0]]
     start = time.time()
     for name, kernel, pointers, meta, warps, stages in jobs:
         try:

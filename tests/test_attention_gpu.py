@@ -169,6 +169,102 @@ def test_every_tuning_candidate_with_padding_and_dropout(index, seq_q):
         assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
 
 
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the warp-specialised forward (kernels/attention_fwd_hopper.py) runs on sm_90 GPUs only")
+
+
+def hopper_launches(monkeypatch) -> list:
+    """A list that grows by one per launch of the Hopper forward."""
+    from flashtrain.kernels import attention_fwd_hopper
+
+    launches, real = [], attention_fwd_hopper.attention_fwd_hopper
+    monkeypatch.setattr(attention_fwd_hopper, "attention_fwd_hopper",
+                        lambda *args: launches.append(args[0].shape) or real(*args))
+    return launches
+
+
+def check_against_reference(q, k, v, dout, causal, dtype):
+    """flash_attention's output, LSE and gradients against the float64 reference."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = attention_ref(qd, kd, vd, causal=causal)
+    ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), dout.double())
+    out_tol, grad_tol = TOLERANCE[dtype]
+    assert_close("out", out, ref_out.to(dtype), out_tol)
+    assert_close("lse", lse, ref_lse.float(), out_tol)
+    for name, a, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(name, a, r.to(dtype), grad_tol)
+
+
+@needs_hopper
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 37, 129, 64), (1, 2, 1, 1, 1, 128), (1, 3, 3, 300, 300, 128),
+                                   (1, 2, 2, 640, 640, 64), (2, 2, 1, 129, 1000, 64), (1, 2, 2, 200, 333, 128)],
+                         ids=str)
+def test_hopper_forward_odd_shapes(shape, causal, dtype, monkeypatch):
+    """The warp-specialised forward (forced on) on ragged, tiny and GQA shapes, seq_k >= seq_q with the causal
+    diagonal bottom-right: output, LSE and the gradients computed from them, every output element written."""
+    batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
+    torch.manual_seed(seq_q + seq_k)
+    q = randn(batch, heads_q, seq_q, head_dim, dtype=dtype)
+    k, v = (randn(batch, heads_kv, seq_k, head_dim, dtype=dtype) for _ in range(2))
+    dout = randn(batch, heads_q, seq_q, head_dim, dtype=dtype)
+    launches = hopper_launches(monkeypatch)
+    with configs.hopper_forward("always"):
+        check_against_reference(q, k, v, dout, causal, dtype)
+    assert len(launches) == 1
+
+
+@needs_hopper
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_forward_strided_views(causal, monkeypatch):
+    """q, k, v as the GPT hands them over: (B, N, H, D) slices of one qkv projection, seen as (B, H, N, D)."""
+    qkv = randn(2, 1000, 3, 4, 128, dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    dout = randn(2, 4, 1000, 128, dtype=torch.bfloat16)
+    launches = hopper_launches(monkeypatch)
+    with configs.hopper_forward("always"):
+        check_against_reference(q, k, v, dout, causal, torch.bfloat16)
+    assert len(launches) == 1
+
+
+@needs_hopper
+def test_hopper_forward_falls_back_where_it_does_not_apply(monkeypatch):
+    """Inputs the Hopper kernel does not take run the Triton forward, with the right result."""
+    launches = hopper_launches(monkeypatch)
+    q = randn(1, 2, 300, 64, dtype=torch.bfloat16)
+    k, v = (randn(1, 2, 200, 64, dtype=torch.bfloat16) for _ in range(2))
+    wide = randn(1, 2, 300, 72, dtype=torch.bfloat16)
+    misaligned = wide[..., 4:68]  # rows start 8 bytes past a 16-byte boundary
+    cases = [dict(q=q, k=k, v=v, causal=True),  # seq_q > seq_k: rows that see no key
+             dict(q=q, k=q, v=q, causal=False, key_padding_mask=torch.zeros(1, 300, dtype=torch.bool,
+                                                                            device="cuda")),
+             dict(q=q, k=q, v=q, causal=False, dropout_p=0.1),
+             dict(q=misaligned, k=q, v=q, causal=False),
+             dict(q=randn(1, 2, 300, 96, dtype=torch.bfloat16), k=randn(1, 2, 300, 96, dtype=torch.bfloat16),
+                  v=randn(1, 2, 300, 96, dtype=torch.bfloat16), causal=False),
+             dict(q=q.float(), k=q.float(), v=q.float(), causal=False)]
+    with configs.hopper_forward("always"):
+        for case in cases:
+            torch.manual_seed(0)
+            out = flash_attention(**case)
+            if case.get("dropout_p"):
+                continue
+            ref = attention_ref(case["q"], case["k"], case["v"], causal=case["causal"],
+                                key_padding_mask=case.get("key_padding_mask"))[0]
+            assert_close("out", out, ref, TOLERANCE[out.dtype][0])
+    assert launches == []
+    with configs.hopper_forward("never"):
+        flash_attention(q, q, q)
+    assert launches == []
+
+
 @pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth_k", "plain_k"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -2,6 +2,7 @@
 
 import csv
 
+import pytest
 import torch
 
 from flashtrain.kernels import configs
@@ -25,3 +26,36 @@ def test_every_dkdv_tile_divides_the_even_multiple():
     tiles = [c.kwargs["BLOCK_M"] for c in (*configs.DKDV_CANDIDATES, *configs.DKDV_CANDIDATES_WIDE)]
     tiles += [t[0] for t in (configs.INTERPRET_DKDV, configs.INTERPRET_LONG_DKDV, configs.FP64, configs.FP64_WIDE)]
     assert all(configs.EVEN_M_MULTIPLE % m == 0 for m in tiles)
+
+
+def test_hopper_forward_modes():
+    assert configs.hopper_forward_mode() == "auto"
+    with configs.hopper_forward("never"):
+        assert configs.hopper_forward_mode() == "never"
+    assert configs.hopper_forward_mode() == "auto"
+    with pytest.raises(ValueError, match="'sometimes'"):
+        with configs.hopper_forward("sometimes"):
+            pass
+
+
+def test_hopper_forward_configs_cover_their_thresholds():
+    """Every head_dim with a Hopper config has a minimum sequence for both masks, and its shared memory fits
+    sm_90's 227 KB."""
+    for head_dim, (block_n, stages, consumers, *_rest) in configs.HOPPER_FWD_CONFIGS.items():
+        assert {(head_dim, False), (head_dim, True)} <= set(configs.HOPPER_FWD_MIN_SEQ)
+        assert (stages * 2 * block_n + consumers * 64) * head_dim * 2 <= 227 * 1024
+
+
+def test_hopper_forward_rules_on_the_host():
+    """What ``hopper_forward_applies`` decides without a GPU: CPU tensors never take the Hopper kernel, and
+    the TMA rules on strides and alignment."""
+    from flashtrain.kernels.attention_fwd import _tma_addressable, hopper_forward_applies
+
+    q = torch.randn(1, 2, 8192, 64, dtype=torch.bfloat16)
+    with configs.hopper_forward("always"):
+        assert not hopper_forward_applies(q, q, q, True, None, 0.0)
+    assert _tma_addressable(q)
+    assert _tma_addressable(torch.randn(1, 300, 2, 64).to(torch.bfloat16).transpose(1, 2))
+    assert not _tma_addressable(q.transpose(2, 3))  # head_dim not the unit-stride dim
+    assert not _tma_addressable(torch.randn(1, 2, 300, 72, dtype=torch.bfloat16)[..., 4:68])  # 8-byte offset
+    assert not _tma_addressable(torch.randn(1, 2, 300, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows

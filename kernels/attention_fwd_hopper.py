@@ -1,0 +1,311 @@
+"""FlashAttention forward for Hopper (sm_90): warp-specialised, written in Triton's Gluon dialect.
+
+The same computation as ``attention_fwd`` (online softmax in the log2 domain, fp32 accumulators, the same
+bottom-right causal alignment, the same log2-domain LSE), scheduled by hand the way FlashAttention-3 does it,
+which plain Triton 3.6 cannot express for this loop:
+
+* **Warp specialisation.** A 1-warp loader partition streams K and V blocks of BLOCK_N keys into a
+  STAGES-deep ring of shared-memory buffers with TMA (``ready`` / ``empty`` mbarriers); CONSUMERS softmax
+  warpgroups (4 warps each) own 64 query rows apiece, so one CTA covers 64 * CONSUMERS rows. The loader has
+  few registers; the warpgroups take the rest (``setmaxnreg``; ``configs.HOPPER_FWD_CONFIGS`` holds the counts).
+* **Intra-warpgroup overlap.** In step j a warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together
+  and runs the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores.
+* **Ping-pong** (PINGPONG): the warpgroups take turns to issue their MMAs (named barriers), so one
+  warpgroup's softmax runs under another's matmuls instead of all of them waiting on the tensor cores at once.
+
+Per key block a warpgroup's work splits like ``attention_fwd``'s:
+  stage 1 (off-band): blocks every one of its rows sees in full: no mask;
+  stage 2 (on-band):  blocks crossing its diagonal, and the ragged tail of seq_k: elementwise mask.
+Blocks past the CTA's last diagonal are never loaded. All warpgroups of a CTA step through the same blocks
+(a block a warpgroup's rows cannot see comes out as p = 0), which keeps the ping-pong turns paired.
+
+Tiles come in through per-(batch, head) TMA descriptors built on the device (so any strides TMA accepts
+work, and rows past seq_q / seq_k read as zeros); that needs Triton's global scratch allocator, which the
+launcher provides. Measured on an H200 against ``attention_fwd`` (benchmarks/NOTES.md): faster on long
+sequences and at head_dim 128, slower on short ones, so ``attention_fwd`` dispatches here only where the
+measurements say so (``attention_fwd.hopper_forward_applies``, ``configs.HOPPER_FWD_MIN_SEQ``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.runtime._allocation import NullAllocator, _allocator
+
+from .attention_fwd import LOG2E
+from .configs import HOPPER_FWD_CONFIGS
+
+WG_ROWS = gl.constexpr(64)  # query rows per softmax warpgroup: one m64 wgmma
+FIRST_TURN_BARRIER = gl.constexpr(10)  # named barriers 10.. for the ping-pong; Gluon's partitions use the low ids
+
+
+@gluon.jit
+def _kv_loader(k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Loader partition: K and V block j into ring slot j % STAGES once every warpgroup has freed it."""
+    for j in range(n_blocks):
+        slot = j % STAGES
+        # the first pass over the ring waits on parity 1 of fresh barriers, which counts as complete
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _named_barrier(BAR_ID: gl.constexpr, ARRIVE: gl.constexpr):
+    """``bar.sync`` (wait) or ``bar.arrive`` (signal) on named barrier BAR_ID, counted over 256 threads: one
+    warpgroup waiting for its turn and the one handing the turn over."""
+    one_per_thread: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    op: gl.constexpr = "bar.arrive" if ARRIVE else "bar.sync"
+    gl.inline_asm_elementwise(f"mov.u32 $0, $1; {op} {BAR_ID}, 256;", "=r,r",
+                              [gl.full([128], 0, gl.int32, layout=one_per_thread)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_turn(j, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Before warpgroup WG issues the MMAs of step j: wait until the previous warpgroup has issued its own."""
+    if PINGPONG:
+        if WG == 0:
+            if j > 0:  # warpgroup 0 takes the very first turn unasked
+                _named_barrier(FIRST_TURN_BARRIER, False)
+        else:
+            _named_barrier(FIRST_TURN_BARRIER + WG, False)
+
+
+@gluon.jit
+def _pass_turn(j, n_blocks, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    """After warpgroup WG has issued the MMAs of step j: hand the turn to the next warpgroup."""
+    if PINGPONG:
+        if WG == CONSUMERS - 1:
+            if j < n_blocks - 1:  # after the last warpgroup's last step nobody waits
+                _named_barrier(FIRST_TURN_BARRIER, True)
+        else:
+            _named_barrier(FIRST_TURN_BARRIER + WG + 1, True)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
+                  CAUSAL: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """One key block of the online softmax on the scores s (64, BLOCK_N): returns (P as the A operand of the
+    P V product, new row max, new row sum, the factor alpha that rescales the running output)."""
+    s = s * qk_scale  # log2 domain: qk_scale = scale / ln(2)
+    if MASK:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = cols[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    p = gl.exp2(s - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(dtype), p_layout), m_new, l_new, alpha
+
+
+@gluon.jit
+def _attend_blocks(lo, hi, p, m_i, l_i, acc, q_smem, k_smem, v_smem, ready, empty, rows, n_blocks, seq_k,
+                   causal_offset, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                   CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                   s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, dtype: gl.constexpr):
+    """Key blocks [lo, hi) of one softmax warpgroup. Step j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight
+    together, the softmax of S_j under the latter, then slot j - 1 handed back to the loader. Returns the
+    state after block hi - 1 (p: its P, not yet multiplied by V)."""
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    for j in range(lo, hi):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        _wait_turn(j, WG, PINGPONG)
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        _pass_turn(j, n_blocks, WG, CONSUMERS, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # groups complete in order: S_j first
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, j * BLOCK_N, seq_k, causal_offset, qk_scale, MASK,
+                                           CAUSAL, s_layout, p_layout, dtype, BLOCK_N)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev), count=1)  # slot prev's K and V are no longer read
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    return p, m_i, l_i, acc
+
+
+@gluon.jit
+def _softmax_warpgroup(q_desc, k_smem, v_smem, ready, empty, O, LSE, lse_row0, stride_om, stride_od, seq_q, seq_k,
+                       start_m, n_blocks, n_free, causal_offset, qk_scale,
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    """Softmax warpgroup WG: query rows [start_m, start_m + 64) against key blocks [0, n_blocks); blocks
+    [0, n_free) need no mask. O points at this (batch, head)'s output rows, LSE at its LSE row."""
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [WG_ROWS, HEAD_DIM], q_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
+
+    rows = start_m + gl.arange(0, WG_ROWS, layout=row_s)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.invalidate(q_bar)
+
+    # block 0: scores and softmax only; its P V product is issued with block 1's scores
+    mbarrier.wait(ready.index(0), 0)
+    _wait_turn(0, WG, PINGPONG)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _pass_turn(0, n_blocks, WG, CONSUMERS, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    if n_free > 0:
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, qk_scale, False, CAUSAL,
+                                           s_layout, p_layout, dtype, BLOCK_N)
+    else:
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, qk_scale, True, CAUSAL,
+                                           s_layout, p_layout, dtype, BLOCK_N)
+    # stage 1: off-band, no mask; stage 2: on-band (the diagonal, the ragged tail of seq_k), masked
+    p, m_i, l_i, acc = _attend_blocks(1, n_free, p, m_i, l_i, acc, q_smem, k_smem, v_smem, ready, empty, rows,
+                                      n_blocks, seq_k, causal_offset, qk_scale, False, CAUSAL, WG, CONSUMERS,
+                                      PINGPONG, STAGES, BLOCK_N, s_layout, p_layout, row_o, dtype)
+    p, m_i, l_i, acc = _attend_blocks(gl.maximum(n_free, 1), n_blocks, p, m_i, l_i, acc, q_smem, k_smem, v_smem,
+                                      ready, empty, rows, n_blocks, seq_k, causal_offset, qk_scale, True, CAUSAL,
+                                      WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N, s_layout, p_layout, row_o, dtype)
+    last = (n_blocks - 1) % STAGES
+    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index(last), count=1)
+
+    # every row sees at least one key (the launcher routes causal seq_q > seq_k elsewhere), so l_i > 0
+    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    rows_o = start_m + gl.arange(0, WG_ROWS, layout=row_o)
+    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(O + rows_o[:, None].to(gl.int64) * stride_om + cols_o[None, :] * stride_od, out.to(dtype),
+             mask=rows_o[:, None] < seq_q)
+    gl.store(LSE + lse_row0 + rows, m_i + gl.log2(l_i), mask=rows < seq_q)
+
+
+@gluon.jit
+def attention_fwd_hopper_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    seq_q, seq_k, qk_scale,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    """One program: 64 * CONSUMERS query rows of one (batch, head). Grid (cdiv(seq_q, 64 * CONSUMERS), H_q, B).
+
+    Q: (B, H_q, seq_q, D), K, V: (B, H_q / GROUP, seq_k, D), O like Q: last dims contiguous (stride 1 for
+    Q, K, V), other strides as given; LSE (B, H_q, seq_q) contiguous float32, log2 domain.
+    qk_scale = softmax scale * log2(e).
+    """
+    BLOCK_M: gl.constexpr = WG_ROWS * CONSUMERS
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m  # heaviest blocks first: a shorter tail
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    off_hk = off_h // GROUP
+    start_m = pid_m * BLOCK_M
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    # per-(batch, head) descriptors: TMA zero-fills rows past seq_q / seq_k
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh,
+                                        [seq_q, HEAD_DIM], [stride_qm, 1], [WG_ROWS, HEAD_DIM], q_layout)
+    k_desc = tma.make_tensor_descriptor(K + off_b.to(gl.int64) * stride_kb + off_hk.to(gl.int64) * stride_kh,
+                                        [seq_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + off_b.to(gl.int64) * stride_vb + off_hk.to(gl.int64) * stride_vh,
+                                        [seq_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+    o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+    lse_row0 = (off_b.to(gl.int64) * gl.num_programs(1) + off_h) * seq_q
+
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every warpgroup is done with it
+
+    # key blocks this CTA visits, and per warpgroup the ones it sees whole (no mask): the last key of block
+    # j, (j + 1) * BLOCK_N - 1, is <= the warpgroup's first row + causal_offset, and < seq_k
+    causal_offset = seq_k - seq_q
+    n_blocks = gl.cdiv(seq_k, BLOCK_N)
+    n_free0 = seq_k // BLOCK_N
+    n_free1 = n_free0
+    n_free2 = n_free0
+    if CAUSAL:
+        n_blocks = gl.minimum(gl.cdiv(start_m + BLOCK_M + causal_offset, BLOCK_N), n_blocks)
+        n_free0 = gl.minimum((start_m + causal_offset + 1) // BLOCK_N, n_free0)
+        n_free1 = gl.minimum((start_m + WG_ROWS + causal_offset + 1) // BLOCK_N, n_free1)
+        n_free2 = gl.minimum((start_m + 2 * WG_ROWS + causal_offset + 1) // BLOCK_N, n_free2)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
+                                  stride_od, seq_q, seq_k, start_m, n_blocks, n_free0, causal_offset, qk_scale,
+                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, CONSUMERS, PINGPONG)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
+                                  stride_od, seq_q, seq_k, start_m + WG_ROWS, n_blocks, n_free1, causal_offset,
+                                  qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, CONSUMERS, PINGPONG)),
+            (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 3, "CONSUMERS is 2 or 3")
+        gl.warp_specialize([
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
+                                  stride_od, seq_q, seq_k, start_m, n_blocks, n_free0, causal_offset, qk_scale,
+                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, CONSUMERS, PINGPONG)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
+                                  stride_od, seq_q, seq_k, start_m + WG_ROWS, n_blocks, n_free1, causal_offset,
+                                  qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, CONSUMERS, PINGPONG)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
+                                  stride_od, seq_q, seq_k, start_m + 2 * WG_ROWS, n_blocks, n_free2,
+                                  causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 2, CONSUMERS,
+                                  PINGPONG)),
+            (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Triton's global scratch for the device-side TMA descriptors (128 bytes each, 3 per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, causal: bool, scale: float) -> None:
+    """Launch the Hopper forward into ``out`` and ``lse`` (``attention_fwd``'s outputs, same meaning).
+
+    q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), inputs ``hopper_forward_applies`` accepted (fp16/bf16 on an
+    sm_90 GPU, D in HOPPER_FWD_CONFIGS, TMA-aligned strides, N_q <= N_k when causal).
+    """
+    batch, heads_q, seq_q, head_dim = q.shape
+    block_n, stages, consumers, consumer_regs, loader_regs, pp_causal, pp_full = HOPPER_FWD_CONFIGS[head_dim]
+    # only replace Triton's NullAllocator (which would raise at launch), never an allocator the user set;
+    # the allocator is per context (thread), so check on every call
+    if isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_scratch)
+    grid = (triton.cdiv(seq_q, WG_ROWS.value * consumers), heads_q, batch)
+    attention_fwd_hopper_kernel[grid](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride(),
+        seq_q, k.shape[2], scale * LOG2E,
+        GROUP=heads_q // k.shape[1], HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers,
+        CAUSAL=causal, PINGPONG=pp_causal if causal else pp_full, CONSUMER_REGS=consumer_regs,
+        LOADER_REGS=loader_regs, num_warps=4)
