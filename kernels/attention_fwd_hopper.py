@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.runtime._allocation import NullAllocator, _allocator
 
 from .attention_fwd import LOG2E
-from .configs import HOPPER_FWD_CONFIGS
+from .configs import HOPPER_FWD_CONFIGS, cdiv
 
 WG_ROWS = gl.constexpr(64)  # query rows per softmax warpgroup: one m64 wgmma
 FIRST_TURN_BARRIER = gl.constexpr(10)  # named barriers 10.. for the ping-pong; Gluon's partitions use the low ids
@@ -302,7 +302,7 @@ def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     # the allocator is per context (thread), so check on every call
     if isinstance(_allocator.get(), NullAllocator):
         triton.set_allocator(_scratch)
-    grid = (triton.cdiv(seq_q, WG_ROWS.value * consumers), heads_q, batch)
+    grid = (cdiv(seq_q, WG_ROWS.value * consumers), heads_q, batch)
     attention_fwd_hopper_kernel[grid](
         q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride(),
         seq_q, k.shape[2], scale * LOG2E,
