@@ -287,7 +287,7 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     row seeing a key (causal needs seq_q <= seq_k), tiles TMA can address, and (in the default "auto" mode of
     ``configs.hopper_forward``) a sequence long enough for it to be the faster kernel."""
     mode = configs.hopper_forward_mode()
-    if mode == "never" or configs.INTERPRET or not q.is_cuda or "fwd" in configs.forced_kernels():
+    if mode == "never" or configs.INTERPRET or not q.is_cuda or configs.is_forced("fwd"):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or key_padding_mask is not None or dropout_p > 0:
         return False

@@ -257,9 +257,9 @@ def forced_configs(**per_kernel: triton.Config):
         _forced.update(saved)
 
 
-def forced_kernels() -> set[str]:
-    """Names of the kernels ``forced_configs`` currently forces."""
-    return set(_forced)
+def is_forced(name: str) -> bool:
+    """Whether ``forced_configs`` currently forces kernel ``name``."""
+    return name in _forced
 
 
 # The autotuner's pick per launch key, looked up before triton.autotune's own: the Autotuner builds its key

@@ -46,6 +46,7 @@ FP8_PROVIDERS = {"flashtrain_fp8_fwd": "forward", "flashtrain_fp8": "full",
 # optional: flashtrain with its forward kernel chosen by hand (configs.hopper_forward), "flashtrain" being "auto":
 # the Triton forward everywhere, or the warp-specialised Hopper forward wherever it applies
 FORWARD_PROVIDERS = {"flashtrain_triton": "never", "flashtrain_hopper": "always"}
+SPEED_PROVIDERS = [*PROVIDERS, *FP8_PROVIDERS, *FORWARD_PROVIDERS]  # what --providers accepts
 
 
 def attention_flops(batch, heads, seq, head_dim, causal, mode):
@@ -88,7 +89,7 @@ def make_provider(name, causal, seq, gqa):
         if causal:
             block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq, seq)
         return lambda q, k, v: _flex_cache["fn"](q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    known = PROVIDERS + list(FP8_PROVIDERS) + list(FORWARD_PROVIDERS) + ["sdpa", "eager"]
+    known = [*SPEED_PROVIDERS, "sdpa", "eager"]
     raise ValueError(f"unknown provider {name!r}; expected one of {known}")
 
 
@@ -200,7 +201,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/attention.csv")
     parser.add_argument("--providers", nargs="+", default=PROVIDERS,
-                        choices=[*PROVIDERS, *FP8_PROVIDERS, *FORWARD_PROVIDERS])
+                        choices=SPEED_PROVIDERS)
     parser.add_argument("--seqs", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--flex-seqs", nargs="+", type=int, default=None,
                         help="time Flex only at these N (default: every N of --seqs; Flex compiles once per shape, "
