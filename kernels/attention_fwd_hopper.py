@@ -136,11 +136,13 @@ def _attend_blocks(lo, hi, p, m_i, l_i, acc, q_smem, k_smem, v_smem, ready, empt
 
 @gluon.jit
 def _softmax_warpgroup(q_desc, k_smem, v_smem, ready, empty, O, LSE, lse_row0, stride_om, stride_od, seq_q, seq_k,
-                       start_m, n_blocks, n_free, causal_offset, qk_scale,
+                       cta_start_m, n_blocks, causal_offset, qk_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
-    """Softmax warpgroup WG: query rows [start_m, start_m + 64) against key blocks [0, n_blocks); blocks
-    [0, n_free) need no mask. O points at this (batch, head)'s output rows, LSE at its LSE row."""
+                       CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Softmax warpgroup WG of the CTA whose rows start at cta_start_m: query rows [start_m, start_m + 64),
+    start_m = cta_start_m + 64 * WG, against key blocks [0, n_blocks). O points at this (batch, head)'s output
+    rows, LSE at its LSE row."""
+    start_m = cta_start_m + WG * WG_ROWS
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -156,6 +158,11 @@ def _softmax_warpgroup(q_desc, k_smem, v_smem, ready, empty, O, LSE, lse_row0, s
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
 
+    # key blocks [0, n_free) need no mask: the last key of block j, (j + 1) * BLOCK_N - 1, is < seq_k and
+    # (causal) <= the warpgroup's first row + causal_offset
+    n_free = seq_k // BLOCK_N
+    if CAUSAL:
+        n_free = gl.minimum((start_m + causal_offset + 1) // BLOCK_N, n_free)
     rows = start_m + gl.arange(0, WG_ROWS, layout=row_s)
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -245,41 +252,35 @@ def attention_fwd_hopper_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every warpgroup is done with it
 
-    # key blocks this CTA visits, and per warpgroup the ones it sees whole (no mask): the last key of block
-    # j, (j + 1) * BLOCK_N - 1, is <= the warpgroup's first row + causal_offset, and < seq_k
+    # key blocks this CTA visits: up to the last row's diagonal when causal
     causal_offset = seq_k - seq_q
     n_blocks = gl.cdiv(seq_k, BLOCK_N)
-    n_free0 = seq_k // BLOCK_N
-    n_free1 = n_free0
-    n_free2 = n_free0
     if CAUSAL:
         n_blocks = gl.minimum(gl.cdiv(start_m + BLOCK_M + causal_offset, BLOCK_N), n_blocks)
-        n_free0 = gl.minimum((start_m + causal_offset + 1) // BLOCK_N, n_free0)
-        n_free1 = gl.minimum((start_m + WG_ROWS + causal_offset + 1) // BLOCK_N, n_free1)
-        n_free2 = gl.minimum((start_m + 2 * WG_ROWS + causal_offset + 1) // BLOCK_N, n_free2)
+    # the warpgroup entries differ only in WG, their last argument (Triton 3.6 keeps constexprs only in
+    # literal argument tuples, so the lists are written out)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
-                                  stride_od, seq_q, seq_k, start_m, n_blocks, n_free0, causal_offset, qk_scale,
-                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, CONSUMERS, PINGPONG)),
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
-                                  stride_od, seq_q, seq_k, start_m + WG_ROWS, n_blocks, n_free1, causal_offset,
-                                  qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, CONSUMERS, PINGPONG)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
+                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                  CAUSAL, CONSUMERS, PINGPONG, 0)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
+                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                  CAUSAL, CONSUMERS, PINGPONG, 1)),
             (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "CONSUMERS is 2 or 3")
         gl.warp_specialize([
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
-                                  stride_od, seq_q, seq_k, start_m, n_blocks, n_free0, causal_offset, qk_scale,
-                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, CONSUMERS, PINGPONG)),
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
-                                  stride_od, seq_q, seq_k, start_m + WG_ROWS, n_blocks, n_free1, causal_offset,
-                                  qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, CONSUMERS, PINGPONG)),
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om,
-                                  stride_od, seq_q, seq_k, start_m + 2 * WG_ROWS, n_blocks, n_free2,
-                                  causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 2, CONSUMERS,
-                                  PINGPONG)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
+                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                  CAUSAL, CONSUMERS, PINGPONG, 0)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
+                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                  CAUSAL, CONSUMERS, PINGPONG, 1)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
+                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
+                                  CAUSAL, CONSUMERS, PINGPONG, 2)),
             (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
