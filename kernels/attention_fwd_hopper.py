@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.runtime._allocation import NullAllocator, _allocator
 
 from .attention_fwd import LOG2E
-from .configs import HOPPER_FWD_CONFIGS, cdiv
+from .configs import cdiv, hopper_fwd_meta
 
 WG_ROWS = gl.constexpr(64)  # query rows per softmax warpgroup: one m64 wgmma
 FIRST_TURN_BARRIER = gl.constexpr(10)  # named barriers 10.. for the ping-pong; Gluon's partitions use the low ids
@@ -298,15 +298,13 @@ def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     sm_90 GPU, D in HOPPER_FWD_CONFIGS, TMA-aligned strides, N_q <= N_k when causal).
     """
     batch, heads_q, seq_q, head_dim = q.shape
-    block_n, stages, consumers, consumer_regs, loader_regs, pp_causal, pp_full = HOPPER_FWD_CONFIGS[head_dim]
+    meta = hopper_fwd_meta(head_dim, causal)
     # only replace Triton's NullAllocator (which would raise at launch), never an allocator the user set;
     # the allocator is per context (thread), so check on every call
     if isinstance(_allocator.get(), NullAllocator):
         triton.set_allocator(_scratch)
-    grid = (cdiv(seq_q, WG_ROWS.value * consumers), heads_q, batch)
+    grid = (cdiv(seq_q, WG_ROWS.value * meta["CONSUMERS"]), heads_q, batch)
     attention_fwd_hopper_kernel[grid](
         q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride(),
         seq_q, k.shape[2], scale * LOG2E,
-        GROUP=heads_q // k.shape[1], HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers,
-        CAUSAL=causal, PINGPONG=pp_causal if causal else pp_full, CONSUMER_REGS=consumer_regs,
-        LOADER_REGS=loader_regs, num_warps=4)
+        GROUP=heads_q // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal, **meta, num_warps=4)

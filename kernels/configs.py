@@ -181,6 +181,15 @@ HOPPER_FWD_CONFIGS = {
     64: (128, 3, 3, 160, 32, True, True),
     128: (128, 3, 2, 232, 40, True, False),
 }
+
+
+def hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
+    """The Hopper forward kernel's tile constexprs for ``head_dim`` (a key of HOPPER_FWD_CONFIGS): what its
+    launcher passes and what scripts/compile_kernels.py compiles."""
+    block_n, stages, consumers, consumer_regs, loader_regs, pp_causal, pp_full = HOPPER_FWD_CONFIGS[head_dim]
+    return dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, PINGPONG=pp_causal if causal else pp_full,
+                CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+
 # Below these sequence lengths (the longer of seq_q, seq_k) the Triton forward is as fast or faster on the H200
 # and "auto" keeps it: (head_dim, causal) -> shortest sequence for the Hopper forward. From the forward sweep of
 # benchmarks/results/forward_kernels_h200_2026-11-29.csv (bf16, B*N = 16k tokens, H*D = 2048), Hopper / Triton:

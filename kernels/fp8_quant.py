@@ -153,6 +153,11 @@ def fp8_quantize_kernel(
 QUANT_CHUNK_ELEMENTS = 16384
 
 
+def quant_chunk(block_n: int, block_d: int) -> int:
+    """Rows of a (block_n, block_d) tile the quantisation kernel reads at a time (its CHUNK)."""
+    return max(1, min(block_n, QUANT_CHUNK_ELEMENTS // block_d))
+
+
 def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None):
     """Quantise x (B, H, N, D) to e4m3 with one fp32 scale per tile of ``block_n`` rows.
 
@@ -172,7 +177,7 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         block_d = configs.block_d(head_dim)
         fp8_quantize_kernel[(configs.cdiv(seq, block_n), heads, batch)](
             x, x if mean is None else mean.contiguous(), q, scales, *x.stride(), seq, HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=max(1, min(block_n, QUANT_CHUNK_ELEMENTS // block_d)),
+            BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=quant_chunk(block_n, block_d),
             CENTRE=mean is not None)
     return q, scales
 

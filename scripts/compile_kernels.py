@@ -115,12 +115,9 @@ def attention_jobs(dtype="bf16", quick=False, target_arch=90):
                            kernel, common_ptr, meta, cfg.num_warps, cfg.num_stages)
     if target_arch == 90:  # the warp-specialised forward: sm_90 only (wgmma, setmaxnreg)
         from flashtrain.kernels.attention_fwd_hopper import attention_fwd_hopper_kernel
-        for head_dim, (block_n, stages, consumers, regs, loader_regs, pp_causal, pp_full) in \
-                configs.HOPPER_FWD_CONFIGS.items():
+        for head_dim in configs.HOPPER_FWD_CONFIGS:
             for causal in (False, True):
-                meta = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers,
-                            CAUSAL=causal, PINGPONG=pp_causal if causal else pp_full, CONSUMER_REGS=regs,
-                            LOADER_REGS=loader_regs)
+                meta = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, **configs.hopper_fwd_meta(head_dim, causal))
                 yield (f"fwd hopper D={head_dim} causal={causal}", attention_fwd_hopper_kernel, common_ptr, meta, 4, 2)
     yield ("bwd preprocess", attention_bwd_preprocess_kernel, common_ptr,
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, HAS_DLSE=True), 4, 2)
@@ -151,7 +148,7 @@ def fp8_jobs(dtype="bf16"):
         for centre in (False, True):  # V, dO / K with smoothing; (128, 256) tiles in two chunks
             yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}", fp8_quantize_kernel, quant_ptr,
                    dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
-                        CHUNK=min(128, fp8_quant.QUANT_CHUNK_ELEMENTS // head_dim), CENTRE=centre), 4, 2)
+                        CHUNK=fp8_quant.quant_chunk(128, head_dim), CENTRE=centre), 4, 2)
         yield (f"hadamard D={head_dim}", hadamard_kernel,
                {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
                dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)

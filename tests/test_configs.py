@@ -41,9 +41,10 @@ def test_hopper_forward_modes():
 def test_hopper_forward_configs_cover_their_thresholds():
     """Every head_dim with a Hopper config has a minimum sequence for both masks, and its shared memory fits
     sm_90's 227 KB."""
-    for head_dim, (block_n, stages, consumers, *_rest) in configs.HOPPER_FWD_CONFIGS.items():
+    for head_dim in configs.HOPPER_FWD_CONFIGS:
+        meta = configs.hopper_fwd_meta(head_dim, causal=True)
         assert {(head_dim, False), (head_dim, True)} <= set(configs.HOPPER_FWD_MIN_SEQ)
-        assert (stages * 2 * block_n + consumers * 64) * head_dim * 2 <= 227 * 1024
+        assert (meta["STAGES"] * 2 * meta["BLOCK_N"] + meta["CONSUMERS"] * 64) * head_dim * 2 <= 227 * 1024
 
 
 def test_hopper_forward_rules_on_the_host():
