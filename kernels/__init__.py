@@ -1,7 +1,8 @@
 """Triton kernels of flashtrain, installed as ``flashtrain.kernels``.
 
 One file per operator: ``attention_fwd`` (forward; ``attention_fwd_hopper`` holds its warp-specialised
-sm_90 variant in Triton's Gluon dialect), ``attention_bwd`` (backward), ``attention_fp8_fwd`` and
+sm_90 variant in Triton's Gluon dialect), ``attention_bwd`` (backward; ``attention_bwd_hopper`` holds its
+five-matmul sm_90 variant, also Gluon), ``attention_fp8_fwd`` and
 ``attention_fp8_bwd`` (the FP8 path), ``fp8_quant`` (per-tile e4m3 quantisation), ``hadamard`` (the rotation
 for incoherent processing), ``dropout_mask`` (the dropout mask materialised, for tests) and ``configs``
 (launch configurations). Each ``<op>_kernel`` is a

@@ -58,7 +58,7 @@ def _kv_loader(k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks,
 @gluon.jit
 def _named_barrier(BAR_ID: gl.constexpr, ARRIVE: gl.constexpr):
     """``bar.sync`` (wait) or ``bar.arrive`` (signal) on named barrier BAR_ID, counted over 256 threads: one
-    warpgroup waiting for its turn and the one handing the turn over."""
+    warpgroup waiting and the one signalling it (the forward's ping-pong turns, the backward's dS^T hand-over)."""
     one_per_thread: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     op: gl.constexpr = "bar.arrive" if ARRIVE else "bar.sync"
     gl.inline_asm_elementwise(f"mov.u32 $0, $1; {op} {BAR_ID}, 256;", "=r,r",
@@ -286,8 +286,16 @@ def attention_fwd_hopper_kernel(
 
 
 def _scratch(size: int, alignment: int, stream):
-    """Triton's global scratch for the device-side TMA descriptors (128 bytes each, 3 per program)."""
+    """Triton's global scratch for the device-side TMA descriptors (128 bytes each, a few per program)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Give Triton a scratch allocator for device-side descriptors where none is set. Only Triton's
+    NullAllocator (which would raise at launch) is replaced, never an allocator the user set; the allocator
+    is per context (thread), so the Hopper launchers call this on every launch."""
+    if isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -299,10 +307,7 @@ def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     """
     batch, heads_q, seq_q, head_dim = q.shape
     meta = hopper_fwd_meta(head_dim, causal)
-    # only replace Triton's NullAllocator (which would raise at launch), never an allocator the user set;
-    # the allocator is per context (thread), so check on every call
-    if isinstance(_allocator.get(), NullAllocator):
-        triton.set_allocator(_scratch)
+    ensure_scratch_allocator()
     grid = (cdiv(seq_q, WG_ROWS.value * meta["CONSUMERS"]), heads_q, batch)
     attention_fwd_hopper_kernel[grid](
         q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride(),

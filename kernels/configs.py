@@ -196,26 +196,59 @@ def hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
 # head_dim 64 full 0.97 at 4k, 1.04 at 8k; causal 0.96 at 8k, 1.00 at 16k; head_dim 128 0.90-1.00 at 1k,
 # 1.03-1.08 at 2k, up to 1.21 at 16k.
 HOPPER_FWD_MIN_SEQ = {(64, False): 8192, (64, True): 16384, (128, False): 2048, (128, True): 2048}
-# "auto": the Hopper forward where HOPPER_FWD_MIN_SEQ says it is faster; "always": wherever it applies (tests);
-# "never": the Triton forward everywhere (benchmarks compare the two). See ``hopper_forward``.
-_hopper_forward_mode = ["auto"]
+# The Hopper (sm_90) backward of attention_bwd_hopper.py, per head_dim: (STAGES of the Q / dO ring, warpgroup
+# registers, loader registers). Fixed, not tuned: the prototype's best on the H200 (benchmarks/NOTES.md, ninth
+# and tenth sessions). head_dim 128 has no entry: its dK, dV and dQ accumulators (3 x 64 fp32 registers a
+# thread) do not fit beside the scores.
+HOPPER_BWD_CONFIGS = {64: (2, 232, 40)}
+
+
+def hopper_bwd_meta(head_dim: int) -> dict:
+    """The Hopper backward kernel's constexprs for ``head_dim`` (a key of HOPPER_BWD_CONFIGS)."""
+    stages, consumer_regs, loader_regs = HOPPER_BWD_CONFIGS[head_dim]
+    return dict(STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+
+
+# As HOPPER_FWD_MIN_SEQ for the backward: causal -> shortest sequence for the Hopper backward in "auto" mode.
+# From benchmarks/results/hopper_bwd_sweep_h200_2026-11-30.csv (bf16, head_dim 64, B * N = 32k tokens, 12
+# heads), two Triton kernels / Hopper: full 0.97 at 2k, 1.03 at 4k, 1.09-1.11 from 8k; causal 0.90 at 2k, 0.99
+# at 4k, 1.07 at 8k, 1.09-1.10 from 16k.
+HOPPER_BWD_MIN_SEQ = {False: 4096, True: 8192}
+
+# "auto": the Hopper kernels where HOPPER_FWD_MIN_SEQ / HOPPER_BWD_MIN_SEQ say they are faster; "always":
+# wherever they apply (tests); "never": the Triton kernels everywhere (benchmarks compare the two). See
+# ``hopper_forward`` and ``hopper_backward``.
+_hopper_modes = {"forward": "auto", "backward": "auto"}
 
 
 @contextlib.contextmanager
-def hopper_forward(mode: str):
-    """Within the block, run the Hopper forward per ``mode``: "auto" (the default), "always" or "never"."""
+def _hopper_mode(direction: str, mode: str):
     if mode not in ("auto", "always", "never"):
-        raise ValueError(f"hopper_forward mode={mode!r}; expected 'auto', 'always' or 'never'")
-    saved = _hopper_forward_mode[0]
-    _hopper_forward_mode[0] = mode
+        raise ValueError(f"hopper_{direction} mode={mode!r}; expected 'auto', 'always' or 'never'")
+    saved = _hopper_modes[direction]
+    _hopper_modes[direction] = mode
     try:
         yield
     finally:
-        _hopper_forward_mode[0] = saved
+        _hopper_modes[direction] = saved
+
+
+def hopper_forward(mode: str):
+    """Within the block, run the Hopper forward per ``mode``: "auto" (the default), "always" or "never"."""
+    return _hopper_mode("forward", mode)
+
+
+def hopper_backward(mode: str):
+    """Within the block, run the Hopper backward per ``mode``: "auto" (the default), "always" or "never"."""
+    return _hopper_mode("backward", mode)
 
 
 def hopper_forward_mode() -> str:
-    return _hopper_forward_mode[0]
+    return _hopper_modes["forward"]
+
+
+def hopper_backward_mode() -> str:
+    return _hopper_modes["backward"]
 
 
 # The dK/dV kernel drops its query-row masks when seq_q is a multiple of this (EVEN_M), so every BLOCK_M it may

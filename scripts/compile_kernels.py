@@ -1,5 +1,5 @@
 """Compile every Triton kernel of flashtrain for an NVIDIA GPU target, on any machine (no GPU needed): the
-Triton kernels, and for sm_90 the Gluon one (the Hopper forward).
+Triton kernels, and for sm_90 the Gluon ones (the Hopper forward and backward).
 
 Triton compiles ahead of time for a named target (``GPUTarget("cuda", 90, 32)``: Hopper), so a kernel that
 would fail to compile on the GPU box (a non-constexpr global, an unsupported FP8 layout, a type error) fails
@@ -83,7 +83,7 @@ def compile_one(kernel, pointers, constexprs, target, num_warps=4, num_stages=2)
     attrs, ones = specialization(kernel, pointers, constexprs)
     constexprs = {**constexprs, **ones}
     source = ASTSource
-    if getattr(kernel, "is_gluon", lambda: False)():  # the Hopper forward, in Gluon
+    if getattr(kernel, "is_gluon", lambda: False)():  # the Hopper kernels, in Gluon
         from triton.experimental.gluon._runtime import GluonASTSource
         source = GluonASTSource
     src = source(fn=kernel, signature=signature(kernel, pointers, constexprs), constexprs=constexprs, attrs=attrs)
@@ -92,7 +92,7 @@ def compile_one(kernel, pointers, constexprs, target, num_warps=4, num_stages=2)
 
 def attention_jobs(dtype="bf16", quick=False, target_arch=90):
     """(name, kernel, pointers, constexprs, num_warps, num_stages) for the 16-bit kernels; ``quick``: only the
-    first candidate of each list; ``target_arch`` 90 adds the Hopper forward."""
+    first candidate of each list; ``target_arch`` 90 adds the Hopper forward and backward."""
     io = f"*{dtype}"
     common_ptr = {"Q": io, "K": io, "V": io, "O": io, "DO": io, "DQ": io, "DK": io, "DV": io, "LSE": "*fp32",
                   "DELTA": "*fp32", "KB": "*fp32", "DLSE": "*fp32"}
@@ -119,6 +119,14 @@ def attention_jobs(dtype="bf16", quick=False, target_arch=90):
             for causal in (False, True):
                 meta = dict(GROUP=1, HEAD_DIM=head_dim, CAUSAL=causal, **configs.hopper_fwd_meta(head_dim, causal))
                 yield (f"fwd hopper D={head_dim} causal={causal}", attention_fwd_hopper_kernel, common_ptr, meta, 4, 2)
+        from flashtrain.kernels.attention_bwd_hopper import attention_bwd_hopper_dq_kernel, attention_bwd_hopper_kernel
+        for head_dim in configs.HOPPER_BWD_CONFIGS:  # the five-matmul backward and its dQ conversion
+            for causal in (False, True):
+                meta = dict(HEAD_DIM=head_dim, CAUSAL=causal, **configs.hopper_bwd_meta(head_dim))
+                yield (f"bwd hopper D={head_dim} causal={causal}", attention_bwd_hopper_kernel,
+                       {**common_ptr, "DQ": "*fp32"}, meta, 4, 2)
+            yield (f"bwd hopper dQ D={head_dim}", attention_bwd_hopper_dq_kernel, {"DQ_ACC": "*fp32", "DQ": io},
+                   dict(HEAD_DIM=head_dim, BLOCK_M=64), 4, 2)
     yield ("bwd preprocess", attention_bwd_preprocess_kernel, common_ptr,
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, HAS_DLSE=True), 4, 2)
     yield ("dropout mask", dropout_keep_mask_kernel, {"KEEP": "*u8"}, dict(BLOCK_M=32, BLOCK_N=32), 4, 2)

@@ -265,6 +265,128 @@ def test_hopper_forward_falls_back_where_it_does_not_apply(monkeypatch):
     assert launches == []
 
 
+def hopper_backward_launches(monkeypatch) -> list:
+    """A list that grows by one per launch of the Hopper backward."""
+    from flashtrain.kernels import attention_bwd_hopper
+
+    launches, real = [], attention_bwd_hopper.attention_bwd_hopper
+    monkeypatch.setattr(attention_bwd_hopper, "attention_bwd_hopper",
+                        lambda *args: launches.append(args[1].shape) or real(*args))
+    return launches
+
+
+HOPPER_BWD_SHAPES = [(2, 4, 37, 129, 64, False), (1, 2, 1, 1, 64, False), (1, 2, 1, 1, 64, True),
+                     (1, 3, 300, 300, 64, False), (1, 3, 300, 300, 64, True), (1, 2, 640, 640, 64, True),
+                     (2, 2, 129, 1000, 64, False), (2, 2, 1000, 129, 64, False), (1, 2, 200, 200, 64, True)]
+
+
+@needs_hopper
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", HOPPER_BWD_SHAPES, ids=str)
+def test_hopper_backward_odd_shapes(shape, dtype, monkeypatch):
+    """The five-matmul backward (forced on) on ragged and tiny shapes, seq_q != seq_k when not causal:
+    gradients against float64, every element of dQ, dK and dV written."""
+    batch, heads, seq_q, seq_k, head_dim, causal = shape
+    torch.manual_seed(seq_q + seq_k)
+    q, dout = (randn(batch, heads, seq_q, head_dim, dtype=dtype) for _ in range(2))
+    k, v = (randn(batch, heads, seq_k, head_dim, dtype=dtype) for _ in range(2))
+    launches = hopper_backward_launches(monkeypatch)
+    with configs.hopper_backward("always"):
+        check_against_reference(q, k, v, dout, causal, dtype)
+    assert len(launches) == 1
+
+
+@needs_hopper
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_backward_strided_views(causal, monkeypatch):
+    """q, k, v as the GPT hands them over: (B, N, H, D) slices of one qkv projection, seen as (B, H, N, D)."""
+    qkv = randn(2, 1000, 3, 4, 64, dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    dout = randn(2, 1000, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    launches = hopper_backward_launches(monkeypatch)
+    with configs.hopper_backward("always"):
+        check_against_reference(q, k, v, dout, causal, torch.bfloat16)
+    assert len(launches) == 1
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_backward_error_at_most_twice_sdpa_flash_at_16k(causal, monkeypatch):
+    """At 16k tokens the default ("auto") picks the Hopper backward for head_dim 64 without GQA; its
+    gradients' error against float64 stays within 2x that of SDPA's flash backend."""
+    torch.manual_seed(16)
+    q, k, v, dout = (randn(1, 1, 16384, 64, dtype=torch.bfloat16) for _ in range(4))
+    launches = hopper_backward_launches(monkeypatch)
+    ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
+    assert len(launches) == 1
+
+    def sdpa_flash(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    theirs = outputs_and_grads(sdpa_flash, q, k, v, dout)
+    ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal, upcast=False)[0],
+                            q.double(), k.double(), v.double(), dout.double())
+    for name, a, b, r in list(zip(("out", "dq", "dk", "dv"), ours, theirs, ref))[1:]:
+        assert torch.isfinite(a).all(), f"{name}: NaN/inf"
+        ours_err, sdpa_err = rel_error(a, r), rel_error(b, r)
+        assert ours_err <= 2 * sdpa_err, f"{name}: error {ours_err:.3e} > 2 x SDPA flash's {sdpa_err:.3e}"
+
+
+@needs_hopper
+def test_hopper_backward_falls_back_where_it_does_not_apply(monkeypatch):
+    """Inputs the Hopper backward does not take run the two Triton kernels, with the right gradients; so does
+    ``torch.use_deterministic_algorithms(True)`` (its dQ sums with atomics)."""
+    launches = hopper_backward_launches(monkeypatch)
+    # independent q, k, v: with k = q the scores peak on the diagonal and bf16 gradients lose ~10% to
+    # cancellation in any implementation (eager bf16 attention included)
+    q, k, v = (randn(1, 2, 300, 64, dtype=torch.bfloat16) for _ in range(3))
+    k2, v2 = (randn(1, 2, 200, 64, dtype=torch.bfloat16) for _ in range(2))
+    wide = randn(1, 2, 300, 72, dtype=torch.bfloat16)
+    misaligned = wide[..., 4:68]  # rows start 8 bytes past a 16-byte boundary
+    q128, k128, v128 = (randn(1, 2, 300, 128, dtype=torch.bfloat16) for _ in range(3))
+    cases = [dict(q=q, k=k2, v=v2, causal=True),  # causal with seq_q != seq_k
+             dict(q=q, k=k[:, :1], v=v[:, :1], causal=False),  # GQA
+             dict(q=q, k=k, v=v, causal=False, key_padding_mask=torch.zeros(1, 300, dtype=torch.bool, device="cuda")),
+             dict(q=q, k=k, v=v, causal=False, dropout_p=0.1),
+             dict(q=misaligned, k=k, v=v, causal=False),
+             dict(q=q128, k=k128, v=v128, causal=True),
+             dict(q=q.float(), k=k.float(), v=v.float(), causal=False)]
+    with configs.hopper_backward("always"):
+        for case in cases:
+            torch.manual_seed(0)
+            dout = torch.randn_like(case["q"])
+            if case.get("dropout_p"):
+                q_, k_, v_ = (case[n].detach().requires_grad_() for n in ("q", "k", "v"))
+                flash_attention(q_, k_, v_, causal=False, dropout_p=0.1).backward(dout)
+                continue
+            check = dict(q=case["q"], k=case["k"], v=case["v"], causal=case["causal"])
+            ours = outputs_and_grads(lambda q, k, v: flash_attention(
+                q, k, v, causal=check["causal"], key_padding_mask=case.get("key_padding_mask")),
+                check["q"], check["k"], check["v"], dout)
+            ref = outputs_and_grads(lambda q, k, v: attention_ref(
+                q, k, v, causal=check["causal"], key_padding_mask=case.get("key_padding_mask"))[0],
+                *(t.double() for t in (check["q"], check["k"], check["v"])), dout.double())
+            for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+                assert_close(name, a, r.to(a.dtype), TOLERANCE[a.dtype][name != "out"])
+        assert launches == []
+        q_ = q.detach().requires_grad_()
+        dout = torch.randn_like(q)  # not .sum(): its gradient is an expanded (stride-0) tensor, which TMA refuses
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            flash_attention(q_, k, v, causal=True).backward(dout)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert launches == []
+        flash_attention(q_, k, v, causal=True).backward(dout)
+        assert len(launches) == 1
+    with configs.hopper_backward("never"):
+        flash_attention(q_, k, v, causal=True).backward(dout)
+    assert len(launches) == 1
+
+
 @pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth_k", "plain_k"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -47,6 +47,29 @@ def test_hopper_forward_configs_cover_their_thresholds():
         assert (meta["STAGES"] * 2 * meta["BLOCK_N"] + meta["CONSUMERS"] * 64) * head_dim * 2 <= 227 * 1024
 
 
+def test_hopper_backward_modes():
+    assert configs.hopper_backward_mode() == "auto"
+    with configs.hopper_backward("always"):
+        assert configs.hopper_backward_mode() == "always"
+        assert configs.hopper_forward_mode() == "auto"  # the two switches are apart
+    assert configs.hopper_backward_mode() == "auto"
+    with pytest.raises(ValueError, match="hopper_backward mode='sometimes'"):
+        with configs.hopper_backward("sometimes"):
+            pass
+
+
+def test_hopper_backward_configs_fit_an_sm90():
+    """Every head_dim with a Hopper backward config: shared memory (K of 128 keys, V of 2 x 64, two dS^T buffers
+    of 128 x 64, the Q / dO ring) within sm_90's 227 KB, registers (two warpgroups and the loader warp) within
+    the SM's 64K; both masks have a minimum sequence."""
+    assert set(configs.HOPPER_BWD_MIN_SEQ) == {False, True}
+    for head_dim in configs.HOPPER_BWD_CONFIGS:
+        meta = configs.hopper_bwd_meta(head_dim)
+        smem = (128 * head_dim + 128 * head_dim + 2 * 128 * 64 + meta["STAGES"] * 2 * 64 * head_dim) * 2
+        assert smem <= 227 * 1024
+        assert 2 * 128 * meta["CONSUMER_REGS"] + 32 * meta["LOADER_REGS"] <= 65536
+
+
 def test_hopper_forward_rules_on_the_host():
     """What ``hopper_forward_applies`` decides without a GPU: CPU tensors never take the Hopper kernel, and
     the TMA rules on strides and alignment."""

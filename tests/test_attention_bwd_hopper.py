@@ -1,0 +1,49 @@
+"""CPU checks of the Hopper backward's host side (its Gluon kernel runs on sm_90 GPUs only: see the gpu tests
+in test_attention_gpu.py): the dQ buffer's fragment order and when ``attention_bwd`` dispatches to it."""
+
+import pytest
+import torch
+
+from flashtrain.kernels import configs
+from flashtrain.kernels.attention_bwd import hopper_backward_applies
+
+
+def wgmma_fragments_to_buffer(dq: torch.Tensor) -> torch.Tensor:
+    """dq (B, H, N, 64) in the Hopper kernel's buffer layout, built from the PTX ISA's wgmma accumulator
+    fragment (m64nNk16, f32): thread t = 32 * w + lane holds register i at row 16 * w + lane // 4 + 8 * ((i // 2)
+    % 2), column 8 * (i // 4) + 2 * (lane % 4) + i % 2; the buffer keeps each 64-row block warp by warp, and
+    within a warp register group i // 4 of all lanes together, lane-major."""
+    batch, heads, seq, head_dim = dq.shape
+    n_blocks = -(-seq // 64)
+    padded = torch.zeros(batch, heads, n_blocks * 64, head_dim, dtype=torch.float32)
+    padded[:, :, :seq] = dq
+    blocks = padded.view(batch, heads, n_blocks, 64, head_dim)
+    buffer = torch.full((batch, heads, n_blocks, 64 * head_dim), float("nan"))
+    for w in range(4):
+        for lane in range(32):
+            for i in range(head_dim // 2):
+                row = 16 * w + lane // 4 + 8 * ((i // 2) % 2)
+                col = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+                buffer[..., w * 16 * head_dim + (i // 4) * 128 + lane * 4 + i % 4] = blocks[..., row, col]
+    assert not buffer.isnan().any()  # every position written once
+    return buffer.view(batch, heads, n_blocks * 64, head_dim)
+
+
+@pytest.mark.parametrize("seq", [1, 64, 129], ids=str)
+@pytest.mark.usefixtures("poison_allocations")
+def test_dq_from_fragments(seq):
+    from flashtrain.kernels.attention_bwd_hopper import dq_from_fragments
+
+    torch.manual_seed(seq)
+    dq_ref = torch.randn(2, 3, seq, 64)
+    dq = torch.empty(2, seq, 3, 64, dtype=torch.float16).transpose(1, 2)  # strided, like the GPT's q
+    dq_from_fragments(wgmma_fragments_to_buffer(dq_ref), dq)
+    assert torch.equal(dq, dq_ref.half())
+
+
+def test_hopper_backward_rules_on_the_host():
+    """What ``hopper_backward_applies`` decides without a GPU: CPU tensors keep the two Triton kernels, even
+    forced on."""
+    q = torch.randn(1, 2, 16384, 64, dtype=torch.bfloat16)
+    with configs.hopper_backward("always"):
+        assert not hopper_backward_applies(q, q, q, q, True, None, 0.0)
