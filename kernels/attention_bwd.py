@@ -319,6 +319,7 @@ def backward_delta(out: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | Non
     return delta
 
 
+@configs.on_input_device
 def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
                   key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0):
     """Launch the backward kernels. Returns (dq, dk, dv), each ``empty_like`` its input.

@@ -180,6 +180,7 @@ def attention_fp8_bwd_dq_kernel(
              mask=(rows[:, None] < seq_q) & (offs_dk[None, :] < QK_DIM))
 
 
+@configs.on_input_device
 def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, signs=None, k_mean=None):
     """Launch the FP8 backward. Returns (dq, dk, dv) in fp32: dq, dk with respect to the scores' Q and K
     (rotated, (B, H, N, D'), when ``signs`` is given, as in the forward), dv like v.

@@ -155,6 +155,7 @@ def attention_fp8_fwd_kernel(
     tl.store(LSE + (off_b.to(tl.int64) * heads_q + off_h) * seq_q + offs_m, lse, mask=row_ok)
 
 
+@configs.on_input_device
 def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=None):
     """Quantise and launch. Returns (out, lse, (q8, q_scales, k8, k_scales)): out and lse as ``attention_fwd``
     (out in q's dtype, LSE log2 fp32), then the quantised Q and K the scores came from (``fp8_quantize``'s

@@ -246,6 +246,7 @@ def precision_for(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+@configs.on_input_device
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0):
     """Launch the forward kernel. Returns (out, lse).

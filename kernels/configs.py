@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import os
 
 import torch
@@ -53,6 +54,29 @@ def fp8_block_d(head_dim: int) -> int:
 def seq_bucket(seq_len: int) -> int:
     """Autotune key for a sequence length: its power-of-two bucket, capped so long sequences share one."""
     return min(next_power_of_2(max(seq_len, 1)), 16384)
+
+
+def launch_device(t: torch.Tensor):
+    """A context in which kernels launch on ``t``'s GPU. Triton launches on the current CUDA device, whatever
+    device the tensors are on: with cuda:0 current and tensors on cuda:1, the Hopper kernels' launches raise
+    ("Pointer argument ... cannot be accessed from Triton", seen on a 2-GPU H200 host) and others may run on
+    cuda:0, on its stream, out of order with cuda:1's work. A no-op for CPU tensors and when that device is already current, as it is in
+    Lightning's processes."""
+    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
+
+
+def on_input_device(launcher):
+    """Decorator for a launcher: run it in ``launch_device`` of its first tensor argument."""
+    @functools.wraps(launcher)
+    def launch_on_input_device(*args, **kwargs):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None:
+            return launcher(*args, **kwargs)
+        with launch_device(first):
+            return launcher(*args, **kwargs)
+    return launch_on_input_device
 
 
 # Fixed configs: (BLOCK_M, BLOCK_N, num_warps, num_stages).

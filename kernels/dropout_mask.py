@@ -33,5 +33,6 @@ def dropout_keep_mask(seed: int, batch: int, heads_q: int, seq_q: int, seq_k: in
     keep = torch.empty((batch, heads_q, seq_q, seq_k), dtype=torch.uint8, device=device)
     block = 32
     grid = (configs.cdiv(seq_q, block), configs.cdiv(seq_k, block), batch * heads_q)
-    dropout_keep_mask_kernel[grid](keep, seq_q, seq_k, seed, dropout_p, BLOCK_M=block, BLOCK_N=block)
+    with configs.launch_device(keep):
+        dropout_keep_mask_kernel[grid](keep, seq_q, seq_k, seed, dropout_p, BLOCK_M=block, BLOCK_N=block)
     return keep.bool()

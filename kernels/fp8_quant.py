@@ -158,6 +158,7 @@ def quant_chunk(block_n: int, block_d: int) -> int:
     return max(1, min(block_n, QUANT_CHUNK_ELEMENTS // block_d))
 
 
+@configs.on_input_device
 def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None):
     """Quantise x (B, H, N, D) to e4m3 with one fp32 scale per tile of ``block_n`` rows.
 

@@ -80,6 +80,7 @@ def padded_dim(head_dim: int) -> int:
     return max(2, configs.next_power_of_2(head_dim))
 
 
+@configs.on_input_device
 def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_dim: int | None = None,
              mean: torch.Tensor | None = None):
     """Forward: (..., d) -> (..., d'), y = (x * signs) @ H / sqrt(d'). Inverse: (..., d') -> (..., out_dim),

@@ -83,3 +83,15 @@ def test_hopper_forward_rules_on_the_host():
     assert not _tma_addressable(q.transpose(2, 3))  # head_dim not the unit-stride dim
     assert not _tma_addressable(torch.randn(1, 2, 300, 72, dtype=torch.bfloat16)[..., 4:68])  # 8-byte offset
     assert not _tma_addressable(torch.randn(1, 2, 300, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
+
+
+def test_on_input_device_passes_calls_through():
+    """The launch-device decorator changes nothing on the CPU: same result, same name, calls without tensors."""
+    @configs.on_input_device
+    def launcher(x, y=1):
+        return x + y
+
+    t = torch.ones(2)
+    assert torch.equal(launcher(t, y=2), t + 2)
+    assert launcher(3) == 4
+    assert launcher.__name__ == "launcher"
