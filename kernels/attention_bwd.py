@@ -26,15 +26,14 @@ and delta = rowsum(dO * O) still equals rowsum(P * dP), since O is the dropped-o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale, _tma_addressable, _visible,
-                            dropout_args, key_bias_arg, precision_for, split_scale)
+from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale, _visible, dropout_args,
+                            hopper_device_ready, hopper_inputs_qualify, hopper_module, key_bias_arg,
+                            precision_for, split_scale)
 
 
 @triton.jit
@@ -336,7 +335,8 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     lse = lse.contiguous()
     delta = backward_delta(out, do, dlse, lse)
     if hopper_backward_applies(q, k, v, do, causal, key_padding_mask, dropout_p):
-        _hopper_module().attention_bwd_hopper(do, q, k, v, lse, delta, dq, dk, dv, causal, scale)
+        hopper_module("attention_bwd_hopper").attention_bwd_hopper(do, q, k, v, lse, delta, dq, dk, dv, causal,
+                                                                   scale)
         return dq, dk, dv
     bd = configs.block_d(head_dim)
     group = heads_q // heads_kv
@@ -361,33 +361,18 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
 def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
                             key_padding_mask: torch.Tensor | None, dropout_p: float) -> bool:
     """Whether ``attention_bwd`` runs the five-matmul Hopper kernel (attention_bwd_hopper.py) for these inputs:
-    fp16/bf16 on an sm_90 GPU, a head_dim it has a config for, no GQA, no key padding mask or dropout, causal
-    only with seq_q == seq_k, tiles TMA can address, deterministic algorithms not requested (its dQ sums with
-    atomics), and (in the default "auto" mode of ``configs.hopper_backward``) a sequence long enough for it to
-    be the faster kernel."""
+    the rules of ``hopper_inputs_qualify`` and ``hopper_device_ready`` (attention_fwd.py), deterministic
+    algorithms not requested (its dQ sums with atomics), a head_dim it has a config for, no GQA, causal only with
+    seq_q == seq_k, and (in the default "auto" mode of ``configs.hopper_backward``) a sequence long enough for it
+    to be the faster kernel."""
     mode = configs.hopper_backward_mode()
-    if mode == "never" or configs.INTERPRET or not q.is_cuda or torch.are_deterministic_algorithms_enabled():
+    if torch.are_deterministic_algorithms_enabled():
         return False
-    if configs.is_forced("dkdv") or configs.is_forced("dq"):
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or key_padding_mask is not None or dropout_p > 0:
+    if not hopper_inputs_qualify(mode, q, key_padding_mask, dropout_p, ("dkdv", "dq")):
         return False
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
     if head_dim not in configs.HOPPER_BWD_CONFIGS or q.shape[1] != k.shape[1] or (causal and seq_q != seq_k):
         return False
     if mode == "auto" and max(seq_q, seq_k) < configs.HOPPER_BWD_MIN_SEQ[causal]:
         return False
-    if not all(_tma_addressable(t) for t in (q, k, v, do)):
-        return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and _hopper_module() is not None
-
-
-@functools.cache
-def _hopper_module():
-    """attention_bwd_hopper, imported on first use (a Gluon kernel module), or None where this triton lacks
-    Gluon's Hopper API: the two Triton kernels run there instead."""
-    try:
-        from . import attention_bwd_hopper
-    except ImportError:
-        return None
-    return attention_bwd_hopper
+    return hopper_device_ready((q, k, v, do), "attention_bwd_hopper")

@@ -310,7 +310,7 @@ def attention_bwd_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """Launch the Hopper backward into dq, dk, dv (``attention_bwd``'s outputs, same meaning).
 
     do, q: (B, H, N_q, D), k, v: (B, H, N_k, D), inputs ``hopper_backward_applies`` accepted (fp16/bf16 on an
-    sm_90 GPU, D in HOPPER_BWD_HEAD_DIMS, no GQA, TMA-aligned strides, N_q == N_k when causal); lse (log2
+    sm_90 GPU, D in HOPPER_BWD_CONFIGS, no GQA, TMA-aligned strides, N_q == N_k when causal); lse (log2
     domain) and delta: (B, H, N_q) contiguous fp32, as ``attention_bwd`` computes them.
     """
     batch, heads, seq_q, head_dim = q.shape

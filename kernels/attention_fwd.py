@@ -28,6 +28,7 @@ Two optional features, compiled in only when used (constexpr flags, so the plain
 from __future__ import annotations
 
 import functools
+import importlib
 
 import numpy as np
 import torch
@@ -264,7 +265,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if done:
         return out, lse
     if hopper_forward_applies(q, k, v, causal, key_padding_mask, dropout_p):
-        _hopper_module().attention_fwd_hopper(q, k, v, out, lse, causal, scale)
+        hopper_module("attention_fwd_hopper").attention_fwd_hopper(q, k, v, out, lse, causal, scale)
         return out, lse
 
     def grid(meta):
@@ -284,22 +285,36 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                            key_padding_mask: torch.Tensor | None, dropout_p: float) -> bool:
     """Whether ``attention_fwd`` runs the warp-specialised Hopper kernel (attention_fwd_hopper.py) for these
-    inputs: fp16/bf16 on an sm_90 GPU, a head_dim it has a config for, no key padding mask or dropout, every
-    row seeing a key (causal needs seq_q <= seq_k), tiles TMA can address, and (in the default "auto" mode of
+    inputs: the rules of ``hopper_inputs_qualify`` and ``hopper_device_ready``, a head_dim it has a config for,
+    every row seeing a key (causal needs seq_q <= seq_k), and (in the default "auto" mode of
     ``configs.hopper_forward``) a sequence long enough for it to be the faster kernel."""
     mode = configs.hopper_forward_mode()
-    if mode == "never" or configs.INTERPRET or not q.is_cuda or configs.is_forced("fwd"):
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or key_padding_mask is not None or dropout_p > 0:
+    if not hopper_inputs_qualify(mode, q, key_padding_mask, dropout_p, ("fwd", )):
         return False
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
     if head_dim not in configs.HOPPER_FWD_CONFIGS or (causal and seq_q > seq_k):
         return False
     if mode == "auto" and max(seq_q, seq_k) < configs.HOPPER_FWD_MIN_SEQ[(head_dim, causal)]:
         return False
-    if not all(_tma_addressable(t) for t in (q, k, v)):
+    return hopper_device_ready((q, k, v), "attention_fwd_hopper")
+
+
+def hopper_inputs_qualify(mode: str, q: torch.Tensor, key_padding_mask: torch.Tensor | None, dropout_p: float,
+                          kernels: tuple[str, ...]) -> bool:
+    """The cheap rules every Hopper kernel (forward and backward) shares: its ``configs.hopper_*`` mode is not
+    "never", the Triton ``kernels`` it replaces are not forced (``configs.forced_configs``), CUDA fp16/bf16
+    inputs outside the interpreter, no key padding mask or dropout."""
+    if mode == "never" or configs.INTERPRET or not q.is_cuda or any(configs.is_forced(n) for n in kernels):
         return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and _hopper_module() is not None
+    return q.dtype in (torch.float16, torch.bfloat16) and key_padding_mask is None and not dropout_p > 0
+
+
+def hopper_device_ready(tensors: tuple[torch.Tensor, ...], module: str) -> bool:
+    """The rest of those shared rules: tiles of every tensor TMA can address, an sm_90 GPU, and a triton with
+    Gluon's Hopper API to build the kernel module ``module`` (``hopper_module``)."""
+    if not all(_tma_addressable(t) for t in tensors):
+        return False
+    return torch.cuda.get_device_capability(tensors[0].device) == (9, 0) and hopper_module(module) is not None
 
 
 def _tma_addressable(t: torch.Tensor) -> bool:
@@ -311,14 +326,13 @@ def _tma_addressable(t: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _hopper_module():
-    """attention_fwd_hopper, imported on first use (a Gluon kernel module), or None where this triton lacks
-    Gluon's Hopper API: the Triton forward runs there instead."""
+def hopper_module(name: str):
+    """This package's Gluon kernel module ``name`` (attention_fwd_hopper, attention_bwd_hopper), imported on
+    first use, or None where this triton lacks Gluon's Hopper API: the Triton kernels run there instead."""
     try:
-        from . import attention_fwd_hopper
+        return importlib.import_module(f".{name}", __package__)
     except ImportError:
         return None
-    return attention_fwd_hopper
 
 
 def allocate_outputs(q: torch.Tensor, k: torch.Tensor):
