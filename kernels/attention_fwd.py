@@ -264,7 +264,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     out, lse, done = allocate_outputs(q, k)
     if done:
         return out, lse
-    if hopper_forward_applies(q, k, v, causal, key_padding_mask, dropout_p):
+    if hopper_forward_applies(q, k, v, causal, scale, key_padding_mask, dropout_p):
         hopper_module("attention_fwd_hopper").attention_fwd_hopper(q, k, v, out, lse, causal, scale)
         return out, lse
 
@@ -282,17 +282,18 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return out, lse
 
 
-def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                            key_padding_mask: torch.Tensor | None, dropout_p: float) -> bool:
     """Whether ``attention_fwd`` runs the warp-specialised Hopper kernel (attention_fwd_hopper.py) for these
     inputs: the rules of ``hopper_inputs_qualify`` and ``hopper_device_ready``, a head_dim it has a config for,
-    every row seeing a key (causal needs seq_q <= seq_k), and (in the default "auto" mode of
-    ``configs.hopper_forward``) a sequence long enough for it to be the faster kernel."""
+    every row seeing a key (causal needs seq_q <= seq_k), a scale > 0 (the kernel takes the row max before
+    scaling), and (in the default "auto" mode of ``configs.hopper_forward``) a sequence long enough for it to
+    be the faster kernel."""
     mode = configs.hopper_forward_mode()
     if not hopper_inputs_qualify(mode, q, key_padding_mask, dropout_p, ("fwd", )):
         return False
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
-    if head_dim not in configs.HOPPER_FWD_CONFIGS or (causal and seq_q > seq_k):
+    if head_dim not in configs.HOPPER_FWD_CONFIGS or (causal and seq_q > seq_k) or not scale > 0:
         return False
     if mode == "auto" and max(seq_q, seq_k) < configs.HOPPER_FWD_MIN_SEQ[(head_dim, causal)]:
         return False

@@ -94,15 +94,16 @@ def _softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, qk_scale, MA
                   BLOCK_N: gl.constexpr):
     """One key block of the online softmax on the scores s (64, BLOCK_N): returns (P as the A operand of the
     P V product, new row max, new row sum, the factor alpha that rescales the running output)."""
-    s = s * qk_scale  # log2 domain: qk_scale = scale / ln(2)
     if MASK:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = cols[None, :] < seq_k
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    p = gl.exp2(s - m_new[:, None])
+    # log2 domain: qk_scale = scale / ln(2) > 0, so max(s) * qk_scale = max(s * qk_scale), and each exponent
+    # is one FFMA (s * qk_scale - m) instead of a multiply and a subtract
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(dtype), p_layout), m_new, l_new, alpha

@@ -216,10 +216,10 @@ def hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
 
 # Below these sequence lengths (the longer of seq_q, seq_k) the Triton forward is as fast or faster on the H200
 # and "auto" keeps it: (head_dim, causal) -> shortest sequence for the Hopper forward. From the forward sweep of
-# benchmarks/results/forward_kernels_h200_2026-11-29.csv (bf16, B*N = 16k tokens, H*D = 2048), Hopper / Triton:
-# head_dim 64 full 0.97 at 4k, 1.04 at 8k; causal 0.96 at 8k, 1.00 at 16k; head_dim 128 0.90-1.00 at 1k,
-# 1.03-1.08 at 2k, up to 1.21 at 16k.
-HOPPER_FWD_MIN_SEQ = {(64, False): 8192, (64, True): 16384, (128, False): 2048, (128, True): 2048}
+# benchmarks/results/forward_thresholds_h200_2026-11-30.csv (bf16; head_dim 64: the trainer's layout, 12 heads,
+# 32k tokens; head_dim 128: 16 heads, 16k tokens), Triton time / Hopper time: head_dim 64 causal 0.92 at 4k, 1.06
+# at 8k, 1.12 at 16k; full 1.02 at 2k, 1.09 at 4k; head_dim 128 causal 0.93 at 1k, 1.08 at 2k; full 1.04 at 1k.
+HOPPER_FWD_MIN_SEQ = {(64, False): 2048, (64, True): 8192, (128, False): 1024, (128, True): 2048}
 # The Hopper (sm_90) backward of attention_bwd_hopper.py, per head_dim: (STAGES of the Q / dO ring, warpgroup
 # registers, loader registers). Fixed, not tuned: the prototype's best on the H200 (benchmarks/NOTES.md, ninth
 # and tenth sessions). head_dim 128 has no entry: its dK, dV and dQ accumulators (3 x 64 fp32 registers a

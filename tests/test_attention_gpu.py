@@ -249,14 +249,15 @@ def test_hopper_forward_falls_back_where_it_does_not_apply(monkeypatch):
              dict(q=misaligned, k=q, v=q, causal=False),
              dict(q=randn(1, 2, 300, 96, dtype=torch.bfloat16), k=randn(1, 2, 300, 96, dtype=torch.bfloat16),
                   v=randn(1, 2, 300, 96, dtype=torch.bfloat16), causal=False),
-             dict(q=q.float(), k=q.float(), v=q.float(), causal=False)]
+             dict(q=q.float(), k=q.float(), v=q.float(), causal=False),
+             dict(q=q, k=q, v=q, causal=True, scale=-0.125)]  # scale <= 0: the max does not commute with it
     with configs.hopper_forward("always"):
         for case in cases:
             torch.manual_seed(0)
             out = flash_attention(**case)
             if case.get("dropout_p"):
                 continue
-            ref = attention_ref(case["q"], case["k"], case["v"], causal=case["causal"],
+            ref = attention_ref(case["q"], case["k"], case["v"], causal=case["causal"], scale=case.get("scale"),
                                 key_padding_mask=case.get("key_padding_mask"))[0]
             assert_close("out", out, ref, TOLERANCE[out.dtype][0])
     assert launches == []

@@ -77,7 +77,7 @@ def test_hopper_forward_rules_on_the_host():
 
     q = torch.randn(1, 2, 8192, 64, dtype=torch.bfloat16)
     with configs.hopper_forward("always"):
-        assert not hopper_forward_applies(q, q, q, True, None, 0.0)
+        assert not hopper_forward_applies(q, q, q, True, 0.125, None, 0.0)
     assert _tma_addressable(q)
     assert _tma_addressable(torch.randn(1, 300, 2, 64).to(torch.bfloat16).transpose(1, 2))
     assert not _tma_addressable(q.transpose(2, 3))  # head_dim not the unit-stride dim
