@@ -38,15 +38,18 @@ from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale,
 
 @triton.jit
 def attention_bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA,
+    O, DO, DLSE, DELTA, DQ_ACC,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     seq_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+    ZERO_DQ_ACC: tl.constexpr,
 ):
     """delta = rowsum(dO * O) - dlse, per query row. Grid (cdiv(seq_q, BLOCK_M), H_q, B).
 
-    DLSE and DELTA: (B, H_q, seq_q) contiguous. Accumulates in fp32 (fp64 for fp64 inputs).
+    DLSE and DELTA: (B, H_q, seq_q) contiguous. Accumulates in fp32 (fp64 for fp64 inputs). ZERO_DQ_ACC: also
+    zero this program's block of DQ_ACC, the Hopper backward's fp32 dQ buffer (B, H_q, cdiv(seq_q, 64) * 64, D),
+    contiguous, BLOCK_M = 64: one pass over the rows instead of a separate fill kernel.
     """
     off_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     off_h = tl.program_id(1)
@@ -64,6 +67,12 @@ def attention_bwd_preprocess_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLSE + row, mask=off_m < seq_q, other=0.0).to(acc_dtype)
     tl.store(DELTA + row, delta, mask=off_m < seq_q)
+    if ZERO_DQ_ACC:
+        tl.static_assert(BLOCK_M == 64, "the dQ buffer comes in blocks of 64 rows")
+        block = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * tl.num_programs(0) + tl.program_id(0)
+        r = tl.arange(0, BLOCK_M)[:, None]
+        tl.store(DQ_ACC + block * (BLOCK_M * HEAD_DIM) + r * HEAD_DIM + offs_d[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=offs_d[None, :] < HEAD_DIM)
 
 
 @triton.jit
@@ -306,15 +315,18 @@ _attention_bwd_dq_tuned = configs.autotuned(attention_bwd_dq_kernel, configs.DQ_
 PREPROCESS_BLOCK_M = 64
 
 
-def backward_delta(out: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
+def backward_delta(out: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor,
+                   dq_acc: torch.Tensor | None = None) -> torch.Tensor:
     """delta = rowsum(dO * O) - dlse, (B, H_q, N_q) like ``lse`` (contiguous, the accumulator's dtype), by the
-    preprocess kernel; out, do: (B, H_q, N_q, D), any strides. Shared by the 16-bit and the FP8 backward."""
+    preprocess kernel; out, do: (B, H_q, N_q, D), any strides. Shared by the 16-bit and the FP8 backward.
+    dq_acc: the Hopper backward's dQ buffer (``attention_bwd_hopper.dq_buffer``), zeroed on the way."""
     batch, heads_q, seq_q, head_dim = out.shape
     delta = torch.empty_like(lse)
-    block_m = 16 if configs.INTERPRET else PREPROCESS_BLOCK_M
+    block_m = 16 if configs.INTERPRET and dq_acc is None else PREPROCESS_BLOCK_M
     attention_bwd_preprocess_kernel[(configs.cdiv(seq_q, block_m), heads_q, batch)](
-        out, do, dlse.contiguous() if dlse is not None else delta, delta, *out.stride(), *do.stride(), seq_q,
-        HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_M=block_m, HAS_DLSE=dlse is not None)
+        out, do, dlse.contiguous() if dlse is not None else delta, delta, dq_acc if dq_acc is not None else delta,
+        *out.stride(), *do.stride(), seq_q, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_M=block_m,
+        HAS_DLSE=dlse is not None, ZERO_DQ_ACC=dq_acc is not None)
     return delta
 
 
@@ -333,11 +345,13 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
-    delta = backward_delta(out, do, dlse, lse)
     if hopper_backward_applies(q, k, v, do, causal, key_padding_mask, dropout_p):
-        hopper_module("attention_bwd_hopper").attention_bwd_hopper(do, q, k, v, lse, delta, dq, dk, dv, causal,
-                                                                   scale)
+        hopper = hopper_module("attention_bwd_hopper")
+        dq_acc = hopper.dq_buffer(q)
+        delta = backward_delta(out, do, dlse, lse, dq_acc)  # zeroes dq_acc too
+        hopper.attention_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dq, dk, dv, causal, scale)
         return dq, dk, dv
+    delta = backward_delta(out, do, dlse, lse)
     bd = configs.block_d(head_dim)
     group = heads_q // heads_kv
 

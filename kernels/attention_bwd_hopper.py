@@ -20,7 +20,8 @@ and sums each pair's dQ share across key blocks in an fp32 buffer, as FlashAtten
   under that step's first two wgmmas, with fire-and-forget vector reductions (``red.global.add.v4.f32``):
   the adds leave the step the other warpgroup waits on. The buffer holds each 64-row block in the wgmma
   accumulator's fragment order (``_fragment_offsets``), in which one warp's ``red.v4`` covers 512 contiguous
-  bytes; ``attention_bwd_hopper_dq_kernel`` turns it into dQ (input dtype, any strides) afterwards.
+  bytes; ``attention_bwd_hopper_dq_kernel`` turns it into dQ (times the softmax scale, input dtype, any
+  strides) afterwards. The delta kernel zeroes the buffer beforehand (``backward_delta``).
 
 The fp32 adds land in whatever order the CTAs reach them, so dQ is not bitwise reproducible from run to run
 (dK and dV are: they sum in registers, in the order of the two-kernel backward). ``attention_bwd``
@@ -134,7 +135,7 @@ def _bwd_steps(j_lo, j_hi, j_start, n_steps, dk, dv, dq_pend, pend_row, k_all, k
             mbarrier.arrive(empty.index(slot), count=1)
             if t + 2 < n_steps:  # someone will write this buffer again
                 _named_barrier(DS_FREE + WG, True)
-            dq_pend = dq * sm_scale
+            dq_pend = dq  # unscaled: the conversion kernel multiplies by the scale, once per element
             pend_row = dq_row0 + j * BLOCK_M
         else:
             _named_barrier(DS_READY + 1 - WG, True)
@@ -217,8 +218,8 @@ def attention_bwd_hopper_kernel(
 
     Q, DO: (B, H, seq_q, D), K, V: (B, H, seq_k, D), unit stride along D; DK, DV like K, V. LSE (log2 domain)
     and DELTA: (B, H, seq_q) contiguous fp32. DQ: fp32, zero on entry, (B, H, cdiv(seq_q, 64) * 64, D) in
-    fragment order per 64-row block (``_fragment_offsets``), scaled. qk_scale = scale * log2(e). Causal needs
-    seq_q == seq_k.
+    fragment order per 64-row block (``_fragment_offsets``), without the softmax scale. qk_scale = scale *
+    log2(e). Causal needs seq_q == seq_k.
     """
     pid_n = gl.program_id(0)
     off_h = gl.program_id(1)
@@ -275,11 +276,12 @@ def attention_bwd_hopper_kernel(
 
 @triton.jit
 def attention_bwd_hopper_dq_kernel(
-    DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, seq_q,
+    DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd, seq_q, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """dQ from the Hopper kernel's buffer: one 64-row block, fragment order -> (rows, head_dim), cast to DQ's
-    dtype. Grid (cdiv(seq_q, 64), H, B). DQ_ACC: (B, H, cdiv(seq_q, 64) * 64, D) fp32 contiguous."""
+    """dQ from the Hopper kernel's buffer: one 64-row block, fragment order -> (rows, head_dim), times the
+    softmax scale, cast to DQ's dtype. Grid (cdiv(seq_q, 64), H, B). DQ_ACC: (B, H, cdiv(seq_q, 64) * 64, D)
+    fp32 contiguous."""
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -290,36 +292,43 @@ def attention_bwd_hopper_dq_kernel(
     reg = (c // 8) * 4 + ((r % 16) // 8) * 2 + c % 2
     frag = (r // 16) * (16 * HEAD_DIM) + (reg // 4) * 128 + lane * 4 + reg % 4
     block = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * tl.num_programs(0) + pid_m
-    dq = tl.load(DQ_ACC + block * (BLOCK_M * HEAD_DIM) + frag)
+    dq = tl.load(DQ_ACC + block * (BLOCK_M * HEAD_DIM) + frag) * sm_scale
     rows = pid_m * BLOCK_M + r
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh + rows * stride_dqm
              + c * stride_dqd, dq.to(DQ.dtype.element_ty), mask=rows < seq_q)
 
 
-def dq_from_fragments(dq_acc: torch.Tensor, dq: torch.Tensor) -> None:
-    """Write the fragment-ordered fp32 buffer ``dq_acc`` (B, H, cdiv(N, 64) * 64, D) into ``dq`` (B, H, N, D,
-    any strides, its own dtype)."""
+def dq_from_fragments(dq_acc: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
+    """Write ``scale`` times the fragment-ordered fp32 buffer ``dq_acc`` (B, H, cdiv(N, 64) * 64, D) into ``dq``
+    (B, H, N, D, any strides, its own dtype)."""
     batch, heads, seq_q, head_dim = dq.shape
     attention_bwd_hopper_dq_kernel[(cdiv(seq_q, BLOCK_M.value), heads, batch)](
-        dq_acc, dq, *dq.stride(), seq_q, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M.value, num_warps=4)
+        dq_acc, dq, *dq.stride(), seq_q, scale, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M.value, num_warps=4)
+
+
+def dq_buffer(q: torch.Tensor) -> torch.Tensor:
+    """An uninitialised fp32 dQ buffer for q (B, H, N_q, D): (B, H, cdiv(N_q, 64) * 64, D), contiguous.
+    ``attention_bwd`` has the delta kernel zero it (``backward_delta``)."""
+    batch, heads, seq_q, head_dim = q.shape
+    return torch.empty(batch, heads, cdiv(seq_q, BLOCK_M.value) * BLOCK_M.value, head_dim, device=q.device,
+                       dtype=torch.float32)
 
 
 def attention_bwd_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-                         delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool,
-                         scale: float) -> None:
+                         delta: torch.Tensor, dq_acc: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                         dv: torch.Tensor, causal: bool, scale: float) -> None:
     """Launch the Hopper backward into dq, dk, dv (``attention_bwd``'s outputs, same meaning).
 
     do, q: (B, H, N_q, D), k, v: (B, H, N_k, D), inputs ``hopper_backward_applies`` accepted (fp16/bf16 on an
     sm_90 GPU, D in HOPPER_BWD_CONFIGS, no GQA, TMA-aligned strides, N_q == N_k when causal); lse (log2
-    domain) and delta: (B, H, N_q) contiguous fp32, as ``attention_bwd`` computes them.
+    domain) and delta: (B, H, N_q) contiguous fp32, as ``attention_bwd`` computes them; dq_acc: a zeroed
+    ``dq_buffer(q)``.
     """
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     ensure_scratch_allocator()
-    dq_acc = torch.zeros(batch, heads, cdiv(seq_q, BLOCK_M.value) * BLOCK_M.value, head_dim, device=q.device,
-                         dtype=torch.float32)
     attention_bwd_hopper_kernel[(cdiv(seq_k, 2 * WG_KEYS.value), heads, batch)](
         q, k, v, do, lse, delta, dq_acc, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *do.stride()[:3], *dk.stride(), *dv.stride(), seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, CAUSAL=causal, **hopper_bwd_meta(head_dim), num_warps=4)
-    dq_from_fragments(dq_acc, dq)
+    dq_from_fragments(dq_acc, dq, scale)

@@ -127,8 +127,10 @@ def attention_jobs(dtype="bf16", quick=False, target_arch=90):
                        {**common_ptr, "DQ": "*fp32"}, meta, 4, 2)
             yield (f"bwd hopper dQ D={head_dim}", attention_bwd_hopper_dq_kernel, {"DQ_ACC": "*fp32", "DQ": io},
                    dict(HEAD_DIM=head_dim, BLOCK_M=64), 4, 2)
-    yield ("bwd preprocess", attention_bwd_preprocess_kernel, common_ptr,
-           dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, HAS_DLSE=True), 4, 2)
+    for zero in (False, True):  # with the Hopper backward's dQ buffer zeroed on the way, and without
+        yield (f"bwd preprocess zero_dq_acc={zero}", attention_bwd_preprocess_kernel,
+               {**common_ptr, "DQ_ACC": "*fp32"}, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, HAS_DLSE=True,
+                                                       ZERO_DQ_ACC=zero), 4, 2)
     yield ("dropout mask", dropout_keep_mask_kernel, {"KEEP": "*u8"}, dict(BLOCK_M=32, BLOCK_N=32), 4, 2)
 
 

@@ -37,8 +37,8 @@ def test_dq_from_fragments(seq):
     torch.manual_seed(seq)
     dq_ref = torch.randn(2, 3, seq, 64)
     dq = torch.empty(2, seq, 3, 64, dtype=torch.float16).transpose(1, 2)  # strided, like the GPT's q
-    dq_from_fragments(wgmma_fragments_to_buffer(dq_ref), dq)
-    assert torch.equal(dq, dq_ref.half())
+    dq_from_fragments(wgmma_fragments_to_buffer(dq_ref), dq, 0.3)
+    assert torch.equal(dq, (dq_ref * 0.3).half())
 
 
 def test_hopper_backward_rules_on_the_host():
@@ -47,3 +47,21 @@ def test_hopper_backward_rules_on_the_host():
     q = torch.randn(1, 2, 16384, 64, dtype=torch.bfloat16)
     with configs.hopper_backward("always"):
         assert not hopper_backward_applies(q, q, q, q, True, None, 0.0)
+
+
+@pytest.mark.parametrize("seq", [1, 129], ids=str)
+def test_delta_kernel_zeroes_the_dq_buffer(seq):
+    """With the Hopper backward's dQ buffer, the delta kernel zeroes all of it (padding rows too) and gives the
+    same delta as without."""
+    from flashtrain.kernels.attention_bwd import backward_delta
+    from flashtrain.kernels.attention_bwd_hopper import dq_buffer
+
+    torch.manual_seed(seq)
+    out, do = (torch.randn(2, seq, 3, 64, dtype=torch.float16).transpose(1, 2) for _ in range(2))
+    lse = torch.zeros(2, 3, seq)
+    buffer = dq_buffer(out).fill_(float("nan"))
+    assert buffer.shape == (2, 3, -(-seq // 64) * 64, 64)
+    delta = backward_delta(out, do, None, lse, buffer)
+    assert torch.equal(buffer, torch.zeros_like(buffer))
+    torch.testing.assert_close(delta, (out.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(delta, backward_delta(out, do, None, lse))
