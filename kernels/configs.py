@@ -60,8 +60,8 @@ def launch_device(t: torch.Tensor):
     """A context in which kernels launch on ``t``'s GPU. Triton launches on the current CUDA device, whatever
     device the tensors are on: with cuda:0 current and tensors on cuda:1, the Hopper kernels' launches raise
     ("Pointer argument ... cannot be accessed from Triton", seen on a 2-GPU H200 host) and others may run on
-    cuda:0, on its stream, out of order with cuda:1's work. A no-op for CPU tensors and when that device is already current, as it is in
-    Lightning's processes."""
+    cuda:0, on its stream, out of order with cuda:1's work. A no-op for CPU tensors and when that device is
+    already current, as it is in Lightning's processes."""
     if not t.is_cuda or t.device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(t.device)

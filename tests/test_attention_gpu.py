@@ -1,6 +1,8 @@
 """GPU-only checks: bf16, long sequences, error against SDPA's flash backend, fp64 exactness, every
 launch config the autotuner may pick. Skipped on machines without CUDA (see conftest.py)."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,13 +176,12 @@ needs_hopper = pytest.mark.skipif(
     reason="the warp-specialised forward (kernels/attention_fwd_hopper.py) runs on sm_90 GPUs only")
 
 
-def hopper_launches(monkeypatch) -> list:
-    """A list that grows by one per launch of the Hopper forward."""
-    from flashtrain.kernels import attention_fwd_hopper
-
-    launches, real = [], attention_fwd_hopper.attention_fwd_hopper
-    monkeypatch.setattr(attention_fwd_hopper, "attention_fwd_hopper",
-                        lambda *args: launches.append(args[0].shape) or real(*args))
+def hopper_launches(monkeypatch, kernel: str = "attention_fwd_hopper") -> list:
+    """A list that grows by one per launch of a Hopper kernel: the launcher ``kernel`` of the module of the same
+    name (attention_fwd_hopper, attention_bwd_hopper)."""
+    module = importlib.import_module(f"flashtrain.kernels.{kernel}")
+    launches, real = [], getattr(module, kernel)
+    monkeypatch.setattr(module, kernel, lambda *args: launches.append(args[0].shape) or real(*args))
     return launches
 
 
@@ -266,16 +267,6 @@ def test_hopper_forward_falls_back_where_it_does_not_apply(monkeypatch):
     assert launches == []
 
 
-def hopper_backward_launches(monkeypatch) -> list:
-    """A list that grows by one per launch of the Hopper backward."""
-    from flashtrain.kernels import attention_bwd_hopper
-
-    launches, real = [], attention_bwd_hopper.attention_bwd_hopper
-    monkeypatch.setattr(attention_bwd_hopper, "attention_bwd_hopper",
-                        lambda *args: launches.append(args[1].shape) or real(*args))
-    return launches
-
-
 HOPPER_BWD_SHAPES = [(2, 4, 37, 129, 64, False), (1, 2, 1, 1, 64, False), (1, 2, 1, 1, 64, True),
                      (1, 3, 300, 300, 64, False), (1, 3, 300, 300, 64, True), (1, 2, 640, 640, 64, True),
                      (2, 2, 129, 1000, 64, False), (2, 2, 1000, 129, 64, False), (1, 2, 200, 200, 64, True)]
@@ -292,7 +283,7 @@ def test_hopper_backward_odd_shapes(shape, dtype, monkeypatch):
     torch.manual_seed(seq_q + seq_k)
     q, dout = (randn(batch, heads, seq_q, head_dim, dtype=dtype) for _ in range(2))
     k, v = (randn(batch, heads, seq_k, head_dim, dtype=dtype) for _ in range(2))
-    launches = hopper_backward_launches(monkeypatch)
+    launches = hopper_launches(monkeypatch, "attention_bwd_hopper")
     with configs.hopper_backward("always"):
         check_against_reference(q, k, v, dout, causal, dtype)
     assert len(launches) == 1
@@ -306,7 +297,7 @@ def test_hopper_backward_strided_views(causal, monkeypatch):
     qkv = randn(2, 1000, 3, 4, 64, dtype=torch.bfloat16)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     dout = randn(2, 1000, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
-    launches = hopper_backward_launches(monkeypatch)
+    launches = hopper_launches(monkeypatch, "attention_bwd_hopper")
     with configs.hopper_backward("always"):
         check_against_reference(q, k, v, dout, causal, torch.bfloat16)
     assert len(launches) == 1
@@ -319,7 +310,7 @@ def test_hopper_backward_error_at_most_twice_sdpa_flash_at_16k(causal, monkeypat
     gradients' error against float64 stays within 2x that of SDPA's flash backend."""
     torch.manual_seed(16)
     q, k, v, dout = (randn(1, 1, 16384, 64, dtype=torch.bfloat16) for _ in range(4))
-    launches = hopper_backward_launches(monkeypatch)
+    launches = hopper_launches(monkeypatch, "attention_bwd_hopper")
     ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
     assert len(launches) == 1
 
@@ -340,7 +331,7 @@ def test_hopper_backward_error_at_most_twice_sdpa_flash_at_16k(causal, monkeypat
 def test_hopper_backward_falls_back_where_it_does_not_apply(monkeypatch):
     """Inputs the Hopper backward does not take run the two Triton kernels, with the right gradients; so does
     ``torch.use_deterministic_algorithms(True)`` (its dQ sums with atomics)."""
-    launches = hopper_backward_launches(monkeypatch)
+    launches = hopper_launches(monkeypatch, "attention_bwd_hopper")
     # independent q, k, v: with k = q the scores peak on the diagonal and bf16 gradients lose ~10% to
     # cancellation in any implementation (eager bf16 attention included)
     q, k, v = (randn(1, 2, 300, 64, dtype=torch.bfloat16) for _ in range(3))
