@@ -14,9 +14,12 @@ Numerics:
 * Incoherent processing: Q and K are multiplied by the same orthogonal matrix M = diag(signs) H / sqrt(d')
   (Sylvester Hadamard H, random +-1 signs, head_dim zero-padded to d' = next power of two). Q M (K M)^T
   = Q K^T in exact arithmetic; in FP8 it spreads outlier channels over all channels, so per-tile scales are
-  set by typical values rather than by the outlier. Applied in O(d log d) by a fast Walsh-Hadamard
-  transform kernel (``flashtrain.kernels.hadamard``), output in the input dtype; its gradient is the
-  inverse transform.
+  set by typical values rather than by the outlier. The rotated values are rounded to the input dtype before
+  they are quantised. Where Q and K are rotated and quantised (the forward, ``fp8="full"``'s backward) the
+  rotation runs inside the quantisation kernel up to d' = 128 (a matmul with the +-1 matrix: exact products,
+  fp32 sums), and at d' = 256 in a fast Walsh-Hadamard transform kernel (``flashtrain.kernels.hadamard``,
+  O(d log d)) before it, where that measured faster; the two give the same bits wherever fp32 holds the sums
+  exactly (16-bit inputs: nearly always). The inverse (dQ and dK back, the gradient) uses the transform kernel.
 * K smoothing (``smooth_k``, on by default): before the rotation and the quantisation, K loses its mean over
   the sequence (per batch and KV head, computed in fp32, the difference rounded to the input dtype). Each
   query's scores move by one constant, -scale * q_i . mean(K), which softmax ignores, so the output is
@@ -33,12 +36,16 @@ Numerics:
   first kernel that reads K (the rotation, else the quantisation), after one reduction for the mean; dK goes
   back through the centring in the op's backward, and the returned LSE's correction through plain autograd.
 * Forward (``flashtrain.kernels.attention_fp8_fwd``): Q (rotated), K (rotated) and V are quantised per
-  tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is stored transposed (K-major,
-  the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T accumulates in fp32 and is
-  scaled once by q_scale * k_scale * softmax_scale * log2(e). The online softmax runs in fp32. P = exp2(S -
-  running max), in [0, 1], is rounded to e4m3 with the fixed scale 448 (1 -> 448) for P8 V8, whose fp32
-  product is scaled by v_scale / 448; the row sum is of the unrounded P. Output = acc / rowsum, cast to the
-  input dtype; the LSE (fp32) is saved.
+  tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is quantised straight into its
+  transposed layout (K-major, the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T
+  accumulates in fp32 and is scaled once by q_scale * k_scale * softmax_scale * log2(e). The online softmax
+  runs in fp32. P = exp2(S - running max), in [0, 1], is rounded to e4m3 with the fixed scale 448 (1 -> 448)
+  for P8 V8, whose fp32 product is scaled by v_scale / 448; the row sum is of the unrounded P. Output = acc /
+  rowsum, cast to the input dtype; the LSE (fp32) is saved. On sm_90 at head_dim 256 the warp-specialised
+  kernel (``flashtrain.kernels.attention_fp8_fwd_hopper``) runs instead: the same P, LSE and scales, with P8 V8
+  summed into the output accumulator by the tensor core (kept in units of the current V tile's scale; the
+  ratios are powers of two), which rounds the sum differently (outputs within 4e-3 of the other kernel's in
+  bf16 units on the H200; the LSE bit-identical).
 * ``fp8="forward"``: the backward runs the 16-bit kernels on the scores the forward computed: the forward
   saves its FP8 (rotated) Q and K with their scales, and the backward dequantises them (exact in the input
   dtype), so P recomputed from them and the forward's LSE is the forward's P (rows sum to one); V, dO and the

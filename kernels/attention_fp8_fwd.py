@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import LOG2E, _load_rows, _visible, allocate_outputs
+from .attention_fwd import LOG2E, _load_rows, _visible, allocate_outputs, hopper_device_ready, hopper_module
 from .fp8_quant import _to_e4m3, fp8_quantize, quantize_scores_operands
 
 LOG2_448 = tl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
@@ -175,9 +175,12 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
     quantized = (q8, q_scales, k8, k_scales)
     if done:
         return out, lse, quantized
-    v8, v_scales = fp8_quantize(v, block_n)
-    vt8 = v8.transpose(2, 3).contiguous()  # (B, H_kv, D, N_k): keys contiguous (K-major for P V)
+    vt8, v_scales = fp8_quantize(v, block_n, transposed=True)  # (B, H_kv, D, N_k): keys contiguous (K-major)
     qk_dim = q8.shape[3]
+    if fp8_hopper_forward_applies(q8, k8, vt8, causal, scale):
+        hopper_module("attention_fp8_fwd_hopper").attention_fp8_fwd_hopper(
+            q8, q_scales, k8, k_scales, vt8, v_scales, out, lse, causal, scale, block_n)
+        return out, lse, quantized
     grid = (configs.cdiv(seq_q, block_m), heads_q, batch)
     attention_fp8_fwd_kernel[grid](
         q8, q_scales, k8, k_scales, vt8, v_scales, out, lse,
@@ -187,6 +190,27 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
         GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
         BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal, SCALE_EARLY=scale <= 0, **cfg)
     return out, lse, quantized
+
+
+def fp8_hopper_forward_applies(q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Tensor, causal: bool,
+                               scale: float) -> bool:
+    """Whether ``attention_fp8_fwd`` runs the warp-specialised FP8 Hopper kernel (attention_fp8_fwd_hopper.py) on
+    these quantised operands: ``configs.hopper_forward``'s mode is not "never", CUDA outside the interpreter,
+    Q/K rows as wide as V's with a config in FP8_HOPPER_FWD_CONFIGS, causal only with seq_q <= seq_k (every
+    row sees a key), a scale > 0 (the row max is taken before scaling), in "auto" mode a sequence of at least
+    FP8_HOPPER_FWD_MIN_SEQ (None: never), and ``hopper_device_ready`` (TMA-addressable tiles, sm_90, Gluon)."""
+    mode = configs.hopper_forward_mode()
+    if mode == "never" or configs.INTERPRET or not q8.is_cuda:
+        return False
+    head_dim, seq_q, seq_k = vt8.shape[2], q8.shape[2], k8.shape[2]
+    if q8.shape[3] != head_dim or head_dim not in configs.FP8_HOPPER_FWD_CONFIGS:
+        return False
+    if (causal and seq_q > seq_k) or not scale > 0:
+        return False
+    min_seq = configs.FP8_HOPPER_FWD_MIN_SEQ[(head_dim, causal)]
+    if mode == "auto" and (min_seq is None or max(seq_q, seq_k) < min_seq):
+        return False
+    return hopper_device_ready((q8, k8, vt8), "attention_fp8_fwd_hopper")
 
 
 def fp8_launch_config(q: torch.Tensor, k: torch.Tensor) -> dict:

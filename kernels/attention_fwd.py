@@ -328,8 +328,9 @@ def _tma_addressable(t: torch.Tensor) -> bool:
 
 @functools.cache
 def hopper_module(name: str):
-    """This package's Gluon kernel module ``name`` (attention_fwd_hopper, attention_bwd_hopper), imported on
-    first use, or None where this triton lacks Gluon's Hopper API: the Triton kernels run there instead."""
+    """This package's Gluon kernel module ``name`` (attention_fwd_hopper, attention_bwd_hopper,
+    attention_fp8_fwd_hopper), imported on first use, or None where this triton lacks Gluon's Hopper API: the
+    Triton kernels run there instead."""
     try:
         return importlib.import_module(f".{name}", __package__)
     except ImportError:

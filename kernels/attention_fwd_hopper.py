@@ -44,15 +44,19 @@ FIRST_TURN_BARRIER = gl.constexpr(10)  # named barriers 10.. for the ping-pong; 
 
 @gluon.jit
 def _kv_loader(k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Loader partition: K and V block j into ring slot j % STAGES once every warpgroup has freed it."""
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_TRANSPOSED: gl.constexpr):
+    """Loader partition: K and V block j into ring slot j % STAGES once every warpgroup has freed it.
+    V_TRANSPOSED: v_desc addresses V^T (head_dim, seq_k), the FP8 forward's K-major V."""
     for j in range(n_blocks):
         slot = j % STAGES
         # the first pass over the ring waits on parity 1 of fresh barriers, which counts as complete
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
+        if V_TRANSPOSED:
+            tma.async_copy_global_to_shared(v_desc, [0, j * BLOCK_N], ready.index(slot), v_smem.index(slot))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -268,7 +272,7 @@ def attention_fwd_hopper_kernel(
             (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
                                   seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
                                   CAUSAL, CONSUMERS, PINGPONG, 1)),
-            (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES)),
+            (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES, False)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "CONSUMERS is 2 or 3")
@@ -282,7 +286,7 @@ def attention_fwd_hopper_kernel(
             (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
                                   seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
                                   CAUSAL, CONSUMERS, PINGPONG, 2)),
-            (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES)),
+            (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES, False)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 

@@ -214,6 +214,31 @@ def hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
     return dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, PINGPONG=pp_causal if causal else pp_full,
                 CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
 
+# The FP8 Hopper forward of attention_fp8_fwd_hopper.py, per head_dim (Q / K rows after the rotation's padding,
+# equal to V's): (BLOCK_N, STAGES, consumer warpgroup registers, loader registers, ping-pong when causal,
+# ping-pong otherwise). Two consumer warpgroups (one 128-row Q scale tile). BLOCK_N divides the K/V quantisation
+# tile (FP8_FWD's BLOCK_N). Shared memory STAGES * 2 * BLOCK_N * D bytes of K and V^T plus 128 * D of Q: 112 KB at
+# D = 128, 160 KB at 256. Fixed, not swept: the sm_90 compile has no spills at these register counts.
+FP8_HOPPER_FWD_CONFIGS = {
+    128: (128, 3, 232, 40, True, True),
+    256: (128, 2, 240, 24, True, True),
+}
+
+
+# As HOPPER_FWD_MIN_SEQ for the FP8 Hopper forward: (head_dim, causal) -> shortest sequence in "auto" mode, None
+# for never. From benchmarks/results/fp8_hopper_fwd_call2_h200_2026-11-30.csv (kernels alone, same quantised
+# operands, B * N = 16k tokens): at head_dim 256 the FP8 Hopper kernel is 1.35-2.1x the Triton FP8 kernel at every
+# length measured (1k-16k); at head_dim 128 it is 0.71-1.0x, so "auto" keeps the Triton kernel there.
+FP8_HOPPER_FWD_MIN_SEQ = {(128, False): None, (128, True): None, (256, False): 1024, (256, True): 1024}
+
+
+def fp8_hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
+    """The FP8 Hopper forward kernel's constexprs for ``head_dim`` (a key of FP8_HOPPER_FWD_CONFIGS)."""
+    block_n, stages, consumer_regs, loader_regs, pp_causal, pp_full = FP8_HOPPER_FWD_CONFIGS[head_dim]
+    return dict(BLOCK_N=block_n, STAGES=stages, PINGPONG=pp_causal if causal else pp_full,
+                CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+
+
 # Below these sequence lengths (the longer of seq_q, seq_k) the Triton forward is as fast or faster on the H200
 # and "auto" keeps it: (head_dim, causal) -> shortest sequence for the Hopper forward. From the forward sweep of
 # benchmarks/results/forward_thresholds_h200_2026-11-30.csv (bf16; head_dim 64: the trainer's layout, 12 heads,
@@ -239,7 +264,8 @@ def hopper_bwd_meta(head_dim: int) -> dict:
 # at 4k, 1.07 at 8k, 1.09-1.10 from 16k.
 HOPPER_BWD_MIN_SEQ = {False: 4096, True: 8192}
 
-# "auto": the Hopper kernels where HOPPER_FWD_MIN_SEQ / HOPPER_BWD_MIN_SEQ say they are faster; "always":
+# "auto": the Hopper kernels where HOPPER_FWD_MIN_SEQ / HOPPER_BWD_MIN_SEQ (FP8_HOPPER_FWD_MIN_SEQ for the FP8
+# forward, which follows the forward's mode) say they are faster; "always":
 # wherever they apply (tests); "never": the Triton kernels everywhere (benchmarks compare the two). See
 # ``hopper_forward`` and ``hopper_backward``.
 _hopper_modes = {"forward": "auto", "backward": "auto"}
@@ -258,7 +284,8 @@ def _hopper_mode(direction: str, mode: str):
 
 
 def hopper_forward(mode: str):
-    """Within the block, run the Hopper forward per ``mode``: "auto" (the default), "always" or "never"."""
+    """Within the block, run the Hopper forwards (16-bit and FP8) per ``mode``: "auto" (the default), "always"
+    or "never"."""
     return _hopper_mode("forward", mode)
 
 

@@ -12,16 +12,24 @@ Rounding is to nearest even on the e4m3 grid (3 mantissa bits; spacing 2^-9 belo
 the same as torch's ``.to(torch.float8_e4m3fn)``. On the GPU the cast does it (``cvt.rn.satfinite``). Triton's
 CPU interpreter's own fp32->e4m3 conversion drops the rounding carry (1.98 -> 1.0), so there ``_to_e4m3``
 first rounds onto the e4m3 grid in software and the cast then only meets representable values.
+
+The same kernel can first centre the rows (K smoothing), rotate them (the Hadamard rotation of incoherent
+processing, up to width FUSED_ROTATION_MAX_DIM; wider ones run ``hadamard``'s kernel first), and write its
+output in any layout, such as V transposed for the FP8 forward: one read of x and one write of its e4m3 bytes.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from . import configs
-from .hadamard import check_mean, hadamard
+from .attention_fwd import _scale, split_scale
+from .hadamard import _fwht, check_mean, hadamard, padded_dim
 
 E4M3_MAX = 448.0
 
@@ -103,47 +111,86 @@ def _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd,
 
 
 @triton.jit
+def _rotated_rows(x, signs, H, norm, norm_lo, R: tl.constexpr, BLOCK_D: tl.constexpr, METHOD: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The rotated rows (x * signs) @ H_d' / sqrt(d') of x (R, BLOCK_D), fp32 holding values of OUT_DTYPE (the
+    input's dtype), rounded to OUT_DTYPE as ``hadamard`` writes them and returned as fp32. How the +-1 matrix is
+    applied (METHOD, ``rotate_method``):
+      "butterfly": ``hadamard``'s log2(d') add/subtract stages (fp32);
+      "matmul":    one matmul with H_d' (the (BLOCK_D, BLOCK_D) matrix at H; 16 <= d' <= 128).
+    The products are exact (values times +-1) and the sums fp32 (fp64 for fp64 x), so every method gives the
+    butterfly's bits wherever fp32 holds the sums exactly (16-bit inputs: nearly always)."""
+    xs = x * signs[None, :]
+    acc_dtype: tl.constexpr = tl.float64 if OUT_DTYPE == tl.float64 else tl.float32
+    if METHOD == "butterfly":
+        y = _fwht(xs, R, BLOCK_D)
+    else:
+        offs = tl.arange(0, BLOCK_D)
+        h = tl.load(H + offs[:, None] * BLOCK_D + offs[None, :])
+        y = tl.dot(xs.to(OUT_DTYPE), h, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
+    return _scale(y, norm, norm_lo).to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _quant_rows(X, MEAN, SIGNS, H, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, CENTRE: tl.constexpr,
+                ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(CHUNK, BLOCK_D) fp32: what gets quantised of rows ``rows`` (``_prepared_rows``, then rotated if ROTATE)."""
+    x = _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D, CENTRE)
+    if ROTATE:
+        signs = tl.load(SIGNS + tl.arange(0, BLOCK_D)).to(tl.float32)
+        x = _rotated_rows(x, signs, H, norm, norm_lo, CHUNK, BLOCK_D, METHOD, DOT_PRECISION, X.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def fp8_quantize_kernel(
-    X, MEAN, Q, S,
+    X, MEAN, SIGNS, H, Q, S,
     stride_xb, stride_xh, stride_xn, stride_xd,
-    seq,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    seq, norm, norm_lo,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    CENTRE: tl.constexpr,
+    CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: one tile of BLOCK_N rows of one (batch, head). Grid (cdiv(seq, BLOCK_N), H, B).
 
-    X: (B, H, seq, HEAD_DIM), any strides and float dtype. Q: same shape, contiguous, float8_e4m3fn.
+    X: (B, H, seq, HEAD_DIM), any strides and float dtype. Q: (B, H, seq, D_out) float8_e4m3fn with the given
+    strides (a transposed layout is a view with stride_qn 1), D_out = BLOCK_D if ROTATE else HEAD_DIM.
     S: (B, H, cdiv(seq, BLOCK_N)) float32, contiguous. CENTRE: subtract MEAN (B, H, HEAD_DIM) fp32 first.
-    A tile of more than CHUNK rows is read twice, chunk by chunk, once for its amax and once to quantise
-    (the second read mostly from L2), so that registers hold CHUNK rows and not the whole tile.
+    ROTATE: then the Hadamard rotation (``hadamard``'s forward: SIGNS (BLOCK_D,), (norm, norm_lo)
+    1/sqrt(BLOCK_D) split), applied by METHOD with the +-1 matrix at H (``_rotated_rows``). A tile of more than
+    CHUNK rows is read twice, chunk by chunk, once for its amax and once to quantise (the second read mostly
+    from L2), so that registers hold CHUNK rows and not the whole tile.
     """
     pid_n = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
     x_base = off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    OUT_DIM: tl.constexpr = BLOCK_D if ROTATE else HEAD_DIM
     offs_d = tl.arange(0, BLOCK_D)
-    if CHUNK == BLOCK_N:
+    if CHUNK == BLOCK_N:  # the whole tile in registers: one read
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        x = _prepared_rows(X, MEAN, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D,
-                           CENTRE)
+        x = _quant_rows(X, MEAN, SIGNS, H, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+                        norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
         q, scale = _quantize_tile(x, True)
-        tl.store(Q + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], q,
-                 mask=(rows[:, None] < seq) & (offs_d[None, :] < HEAD_DIM))
+        tl.store(q_base + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd, q,
+                 mask=(rows[:, None] < seq) & (offs_d[None, :] < OUT_DIM))
     else:
         amax = 0.0
         for c in tl.static_range(0, BLOCK_N, CHUNK):
             rows = pid_n * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _prepared_rows(X, MEAN, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, HEAD_DIM,
-                               BLOCK_D, CENTRE)
+            x = _quant_rows(X, MEAN, SIGNS, H, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+                            norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
         scale = _tile_scale(amax, True)
         for c in tl.static_range(0, BLOCK_N, CHUNK):
             rows = pid_n * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _prepared_rows(X, MEAN, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, HEAD_DIM,
-                               BLOCK_D, CENTRE)
-            tl.store(Q + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], _quantize_with_scale(x, scale),
-                     mask=(rows[:, None] < seq) & (offs_d[None, :] < HEAD_DIM))
+            x = _quant_rows(X, MEAN, SIGNS, H, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+                            norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
+            tl.store(q_base + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd, _quantize_with_scale(x, scale),
+                     mask=(rows[:, None] < seq) & (offs_d[None, :] < OUT_DIM))
     tl.store(S + head * tl.num_programs(0) + pid_n, scale)
 
 
@@ -151,20 +198,50 @@ def fp8_quantize_kernel(
 # Read from the sm_90 compile (ptxas -v): a (128, 256) tile whole spills 188 bytes at 255 registers; a
 # (128, 128) tile takes 168 registers and no spills, and so do (64, 256) chunks.
 QUANT_CHUNK_ELEMENTS = 16384
+# Rotated tiles: the widest rotation fused into the quantisation, and the elements of a chunk of rows. Measured on
+# the H200 (benchmarks/NOTES.md, twelfth session; bf16 (4, 16, 4096, 128)): Q fused by matmul in whole 128-row
+# tiles 0.065 ms, the Hadamard kernel then the quantisation 0.077 ms, a copy 0.037 ms. At width 256 the fused
+# forms were slower than the two kernels (butterfly 0.20 ms, two 16 x 16 matmuls 0.37 ms, against 0.084 ms), and
+# a 256 x 256 matrix does not fit in shared memory; so 256 runs the two kernels.
+FUSED_ROTATION_MAX_DIM = 128
+ROTATE_CHUNK_ELEMENTS = 16384
 
 
-def quant_chunk(block_n: int, block_d: int) -> int:
-    """Rows of a (block_n, block_d) tile the quantisation kernel reads at a time (its CHUNK)."""
+def rotate_method(dim: int) -> str:
+    """How ``fp8_quantize`` applies a fused rotation of width ``dim``: a matmul, or the butterfly below 16
+    (Triton's matmuls reduce over at least 16)."""
+    return "matmul" if dim >= 16 else "butterfly"
+
+
+def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
+    """Rows of a (block_n, block_d) tile the quantisation kernel reads at a time (its CHUNK); at least 16 when
+    rotating (a matmul's rows; block_n >= 16)."""
+    if rotate:
+        return min(block_n, max(16, ROTATE_CHUNK_ELEMENTS // block_d))
     return max(1, min(block_n, QUANT_CHUNK_ELEMENTS // block_d))
 
 
+@functools.lru_cache(maxsize=None)
+def hadamard_matrix(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The (dim, dim) Sylvester Hadamard matrix of +-1 (exact in every float dtype), contiguous."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h.to(device=device, dtype=dtype).contiguous()
+
+
 @configs.on_input_device
-def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None):
+def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None,
+                 signs: torch.Tensor | None = None, transposed: bool = False):
     """Quantise x (B, H, N, D) to e4m3 with one fp32 scale per tile of ``block_n`` rows.
 
     Returns (q, scales): q (B, H, N, D) float8_e4m3fn, contiguous; scales (B, H, cdiv(N, block_n)) float32,
     with x ~= q.float() * scales repeated over each tile's rows. ``mean`` (B, H, D) float32: subtracted
     first, the difference rounded to x's dtype (K smoothing; the bits of ``flashtrain.fp8._centred``).
+    ``signs`` (D',): the Hadamard rotation first (after the centring), fused: q is (B, H, N, D') and holds
+    ``fp8_quantize(hadamard(x, signs, mean=mean), block_n)`` (the rotation's sums in another order: the same
+    bits wherever fp32 holds them exactly). ``transposed``: q is returned as (B, H, D, N), N contiguous, its
+    row stride padded to a multiple of 16 bytes (the layout TMA loads; a view of the first N columns).
     """
     if x.dim() != 4:
         raise ValueError(f"fp8_quantize: x must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
@@ -172,24 +249,42 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         raise ValueError(f"fp8_quantize: block_n={block_n}; expected a power of two >= 16")
     batch, heads, seq, head_dim = x.shape
     check_mean("fp8_quantize", mean, (batch, heads, head_dim))
-    q = torch.empty((batch, heads, seq, head_dim), device=x.device, dtype=torch.float8_e4m3fn)
+    out_dim = head_dim
+    if signs is not None:
+        out_dim = padded_dim(head_dim)
+        if out_dim > 256:
+            raise ValueError(f"fp8_quantize: the rotation of head_dim {head_dim} is {out_dim} wide; at most 256")
+        if signs.shape != (out_dim, ):
+            raise ValueError(f"fp8_quantize: signs has shape {tuple(signs.shape)}; expected ({out_dim},) for "
+                             f"head_dim {head_dim}")
+        if out_dim > FUSED_ROTATION_MAX_DIM:  # the Hadamard kernel first (faster there; see the constant)
+            x, mean, signs = hadamard(x, signs, mean=mean), None, None
+            head_dim = out_dim
+    if transposed:
+        padded = torch.empty((batch, heads, out_dim, configs.cdiv(seq, 16) * 16), device=x.device,
+                             dtype=torch.float8_e4m3fn)
+        q = padded[..., :seq].transpose(2, 3)
+    else:
+        q = torch.empty((batch, heads, seq, out_dim), device=x.device, dtype=torch.float8_e4m3fn)
     scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=x.device, dtype=torch.float32)
     if q.numel():
-        block_d = configs.block_d(head_dim)
+        rotate = signs is not None
+        block_d = out_dim if rotate else configs.block_d(head_dim)
+        method = rotate_method(block_d) if rotate else "butterfly"
         fp8_quantize_kernel[(configs.cdiv(seq, block_n), heads, batch)](
-            x, x if mean is None else mean.contiguous(), q, scales, *x.stride(), seq, HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=quant_chunk(block_n, block_d),
-            CENTRE=mean is not None)
-    return q, scales
+            x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
+            hadamard_matrix(block_d, x.dtype, x.device) if method == "matmul" else x, q, scales, *x.stride(),
+            *q.stride(), seq, *split_scale(1.0 / math.sqrt(block_d)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_N=block_n, CHUNK=quant_chunk(block_n, block_d, rotate), CENTRE=mean is not None, ROTATE=rotate,
+            METHOD=method, DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32")
+    return (q.transpose(2, 3) if transposed else q), scales
 
 
 def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mean=None):
     """(q8, q_scales, k8, k_scales): Q and K as FP8 scores take them. With ``signs`` (D'), both go through the
     Hadamard rotation first (q8, k8 then (B, H, N, D')); with ``k_mean`` (B, H_kv, D) float32, K is centred
     before (K smoothing), fused into whichever kernel reads K first."""
-    if signs is not None:
-        q, k, k_mean = hadamard(q, signs), hadamard(k, signs, mean=k_mean), None
-    return (*fp8_quantize(q, block_q), *fp8_quantize(k, block_k, mean=k_mean))
+    return (*fp8_quantize(q, block_q, signs=signs), *fp8_quantize(k, block_k, mean=k_mean, signs=signs))
 
 
 def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, block_n: int, dtype: torch.dtype) -> torch.Tensor:

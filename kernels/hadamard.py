@@ -30,6 +30,29 @@ def _butterfly(x, R: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
+def _fwht(x, R: tl.constexpr, D: tl.constexpr):
+    """The unnormalised fast Walsh-Hadamard transform of each row of x (R, D): x @ H_D."""
+    # stage s pairs columns 2^s apart; stages past log2(D) are compiled out. Written out rather than a
+    # tl.static_range loop: in Triton's interpreter the loop variable is a tensor, which reshape rejects.
+    x = _butterfly(x, R, D, 1)
+    if D > 2:
+        x = _butterfly(x, R, D, 2)
+    if D > 4:
+        x = _butterfly(x, R, D, 4)
+    if D > 8:
+        x = _butterfly(x, R, D, 8)
+    if D > 16:
+        x = _butterfly(x, R, D, 16)
+    if D > 32:
+        x = _butterfly(x, R, D, 32)
+    if D > 64:
+        x = _butterfly(x, R, D, 64)
+    if D > 128:
+        x = _butterfly(x, R, D, 128)
+    return x
+
+
+@triton.jit
 def hadamard_kernel(X, SIGNS, Y, MEAN, n_rows, d_in, d_out, rows_per_mean, norm, norm_lo,
                     D: tl.constexpr, BLOCK_R: tl.constexpr, SIGNS_FIRST: tl.constexpr, CENTRE: tl.constexpr):
     """One program: BLOCK_R rows. X (n_rows, d_in), Y (n_rows, d_out), both contiguous; D = next pow2 >= d_in.
@@ -51,23 +74,7 @@ def hadamard_kernel(X, SIGNS, Y, MEAN, n_rows, d_in, d_out, rows_per_mean, norm,
     signs = tl.load(SIGNS + cols).to(acc_dtype)
     if SIGNS_FIRST:
         x = x * signs[None, :]
-    # stage s pairs columns 2^s apart; stages past log2(D) are compiled out. Written out rather than a
-    # tl.static_range loop: in Triton's interpreter the loop variable is a tensor, which reshape rejects.
-    x = _butterfly(x, BLOCK_R, D, 1)
-    if D > 2:
-        x = _butterfly(x, BLOCK_R, D, 2)
-    if D > 4:
-        x = _butterfly(x, BLOCK_R, D, 4)
-    if D > 8:
-        x = _butterfly(x, BLOCK_R, D, 8)
-    if D > 16:
-        x = _butterfly(x, BLOCK_R, D, 16)
-    if D > 32:
-        x = _butterfly(x, BLOCK_R, D, 32)
-    if D > 64:
-        x = _butterfly(x, BLOCK_R, D, 64)
-    if D > 128:
-        x = _butterfly(x, BLOCK_R, D, 128)
+    x = _fwht(x, BLOCK_R, D)
     x = _scale(x, norm, norm_lo)
     if not SIGNS_FIRST:
         x = x * signs[None, :]

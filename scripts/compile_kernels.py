@@ -134,18 +134,24 @@ def attention_jobs(dtype="bf16", quick=False, target_arch=90):
     yield ("dropout mask", dropout_keep_mask_kernel, {"KEEP": "*u8"}, dict(BLOCK_M=32, BLOCK_N=32), 4, 2)
 
 
-def fp8_jobs(dtype="bf16"):
+def fp8_jobs(dtype="bf16", target_arch=90):
+    """As attention_jobs for the FP8 path; ``target_arch`` 90 adds the FP8 Hopper forward."""
     fp8 = "*fp8e4nv"
     bwd = configs.fp8_bwd_config(1 << 20)
     for head_dim in (64, 128, 256):
         fwd = configs.fp8_config(1 << 20, head_dim)
+        fwd_ptr = {"Q8": fp8, "K8": fp8, "VT8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "O": f"*{dtype}",
+                   "LSE": "*fp32"}
         for causal in (False, True):
-            yield (f"fp8 fwd D={head_dim} causal={causal}", attention_fp8_fwd_kernel,
-                   {"Q8": fp8, "K8": fp8, "VT8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "O": f"*{dtype}",
-                    "LSE": "*fp32"},
+            yield (f"fp8 fwd D={head_dim} causal={causal}", attention_fp8_fwd_kernel, fwd_ptr,
                    dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
                         CAUSAL=causal, SCALE_EARLY=False, BLOCK_M=fwd["BLOCK_M"], BLOCK_N=fwd["BLOCK_N"]),
                    fwd["num_warps"], fwd["num_stages"])
+            if target_arch == 90 and head_dim in configs.FP8_HOPPER_FWD_CONFIGS:
+                from flashtrain.kernels.attention_fp8_fwd_hopper import attention_fp8_fwd_hopper_kernel
+                yield (f"fp8 fwd hopper D={head_dim} causal={causal}", attention_fp8_fwd_hopper_kernel, fwd_ptr,
+                       dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, KV_TILE=fwd["BLOCK_N"], CAUSAL=causal,
+                            **configs.fp8_hopper_fwd_meta(head_dim, causal)), 4, 2)
             bwd_ptr = {"Q8": fp8, "QT8": fp8, "K8": fp8, "KT8": fp8, "V8": fp8, "DO8": fp8, "DOT8": fp8,
                        "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "DOS": "*fp32", "LSE": "*fp32", "DELTA": "*fp32",
                        "DK": "*fp32", "DV": "*fp32", "DQ": "*fp32"}
@@ -154,11 +160,16 @@ def fp8_jobs(dtype="bf16"):
             for name, kernel in (("dkdv", attention_fp8_bwd_dkdv_kernel), ("dq", attention_fp8_bwd_dq_kernel)):
                 yield (f"fp8 {name} D={head_dim} causal={causal}", kernel, bwd_ptr, meta, bwd["num_warps"],
                        bwd["num_stages"])
-        quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "Q": fp8, "S": "*fp32"}
-        for centre in (False, True):  # V, dO / K with smoothing; (128, 256) tiles in two chunks
-            yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}", fp8_quantize_kernel, quant_ptr,
+        quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "SIGNS": "*fp32", "H": f"*{dtype}", "Q": fp8, "S": "*fp32"}
+        # V, dO / K with smoothing / Q / K rotated and smoothed; (128, 256) tiles in chunks
+        fused = head_dim <= fp8_quant.FUSED_ROTATION_MAX_DIM
+        for centre, rotate in ((False, False), (True, False), (False, True), (True, True))[:4 if fused else 2]:
+            yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}{' rotated' if rotate else ''}",
+                   fp8_quantize_kernel, quant_ptr,
                    dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
-                        CHUNK=fp8_quant.quant_chunk(128, head_dim), CENTRE=centre), 4, 2)
+                        CHUNK=fp8_quant.quant_chunk(128, head_dim, rotate), CENTRE=centre, ROTATE=rotate,
+                        METHOD=fp8_quant.rotate_method(head_dim) if rotate else "butterfly", DOT_PRECISION="tf32"),
+                   4, 2)
         yield (f"hadamard D={head_dim}", hadamard_kernel,
                {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
                dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)
@@ -172,7 +183,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
-    jobs = [j for j in (*attention_jobs(quick=args.quick, target_arch=args.arch), *fp8_jobs()) if args.only in j[0]]
+    jobs = [j for j in (*attention_jobs(quick=args.quick, target_arch=args.arch), *fp8_jobs(target_arch=args.arch))
+            if args.only in j[0]]
     start = time.time()
     for name, kernel, pointers, meta, warps, stages in jobs:
         try:

@@ -379,6 +379,79 @@ def test_hopper_backward_falls_back_where_it_does_not_apply(monkeypatch):
     assert len(launches) == 1
 
 
+def fp8_forward_both_ways(q, k, v, causal, **kwargs):
+    """fp8="forward" (output, LSE) through the FP8 Hopper kernel and through the Triton FP8 kernel."""
+    with configs.hopper_forward("always"):
+        hopper = flash_attention(q, k, v, causal=causal, fp8="forward", return_lse=True, **kwargs)
+    with configs.hopper_forward("never"):
+        triton_ = flash_attention(q, k, v, causal=causal, fp8="forward", return_lse=True, **kwargs)
+    return hopper, triton_
+
+
+@needs_hopper
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1, 1, 128), (1, 2, 2, 129, 129, 128), (2, 4, 2, 200, 333, 128),
+                                   (1, 2, 2, 37, 1000, 128), (1, 4, 1, 300, 300, 256), (2, 3, 3, 1000, 1000, 256),
+                                   (1, 4, 2, 4096, 4096, 128)], ids=str)
+def test_fp8_hopper_forward_odd_shapes(shape, causal, monkeypatch):
+    """The FP8 Hopper forward against the Triton FP8 kernel on the same quantised operands: the same LSE bits
+    (the softmax is the same computation), the output within 1e-2 of the Triton one's largest value (the wgmma
+    sums P V into its accumulator with its own FP8 accumulation precision; measured at most 4e-3 in bf16 units),
+    and as close to float64 attention as the Triton kernel (bf16 inputs, GQA, seq_q != seq_k, ragged tails,
+    outputs poisoned)."""
+    batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
+    torch.manual_seed(seq_q + head_dim)
+    q = randn(batch, heads_q, seq_q, head_dim, dtype=torch.bfloat16)
+    k, v = (randn(batch, heads_kv, seq_k, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
+    (out, lse), (ref_out, ref_lse) = fp8_forward_both_ways(q, k, v, causal)
+    assert len(launches) == 1 and torch.isfinite(out).all()
+    assert torch.equal(lse, ref_lse)
+    assert (out.float() - ref_out.float()).abs().max() <= 1e-2 * ref_out.float().abs().max()
+    exact = attention_ref(q.double(), k.double(), v.double(), causal=causal)[0]
+    assert rel_error(out, exact) <= 1.02 * rel_error(ref_out, exact) + 1e-4
+
+
+@needs_hopper
+def test_fp8_hopper_forward_strided_views_and_modes(monkeypatch):
+    """The trainer's layout (q, k, v strided views of one (B, N, 3, H, D) tensor), without rotation or K
+    smoothing too, and a long causal sequence; the LSE bit for bit and the output close, as above."""
+    torch.manual_seed(1)
+    qkv = randn(2, 1024, 3, 8, 128, dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    long = [randn(1, 2, 16384, 256, dtype=torch.bfloat16) for _ in range(3)]
+    launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
+    for (q_, k_, v_), kwargs in (((q, k, v), {}), ((q, k, v), dict(hadamard=False, smooth_k=False)), (long, {})):
+        (out, lse), (ref_out, ref_lse) = fp8_forward_both_ways(q_, k_, v_, True, **kwargs)
+        assert torch.equal(lse, ref_lse)
+        assert (out.float() - ref_out.float()).abs().max() <= 1e-2 * ref_out.float().abs().max()
+    assert len(launches) == 3
+
+
+@needs_hopper
+def test_fp8_hopper_forward_falls_back_where_it_does_not_apply(monkeypatch):
+    """head_dim 64 (no config) and 40 (rotated to 64), causal with seq_q > seq_k, a negative scale, and the
+    "never" mode run the Triton FP8 kernel, with its results."""
+    torch.manual_seed(2)
+    q, k, v = (randn(1, 2, 300, 128, dtype=torch.bfloat16) for _ in range(3))
+    q64, k64, v64 = (randn(1, 2, 300, 64, dtype=torch.bfloat16) for _ in range(3))
+    q40, k40, v40 = (randn(1, 2, 300, 40, dtype=torch.bfloat16) for _ in range(3))
+    cases = [dict(q=q64, k=k64, v=v64, causal=True), dict(q=q40, k=k40, v=v40, causal=False),
+             dict(q=q, k=k[:, :, :200], v=v[:, :, :200], causal=True), dict(q=q, k=k, v=v, causal=False, scale=-0.1)]
+    launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
+    with configs.hopper_forward("always"):
+        for case in cases:
+            out = flash_attention(**case, fp8="forward")
+            exact = attention_ref(*(case[n].double() for n in "qkv"), causal=case["causal"],
+                                  scale=case.get("scale"))[0]
+            assert rel_error(out, exact) < 0.1
+    assert launches == []
+    with configs.hopper_forward("never"):
+        flash_attention(q, k, v, fp8="forward")
+    assert launches == []
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("seq, fp8", [(300, None), (16384, None), (300, "full")], ids=str)
 def test_tensors_on_a_gpu_that_is_not_current(seq, fp8):

@@ -58,12 +58,50 @@ def test_centring_fused_into_quantise_and_rotate_bit_for_bit(shape, block_n, dty
     assert torch.equal(hadamard(x, signs, mean=mean), hadamard(centred, signs))
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("method, chunk_elements", [("default", 16384), ("default", 512), ("butterfly", 16384)],
+                         ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("centre", [False, True], ids=["plain", "centred"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape, block_n", [((1, 2, 37, 40), 16), ((2, 1, 129, 24), 64), ((1, 1, 70, 128), 64),
+                                            ((1, 1, 33, 256), 16)], ids=str)
+def test_rotation_fused_into_quantise(shape, block_n, dtype, centre, transposed, method, chunk_elements, device,
+                                      monkeypatch):
+    """fp8_quantize(x, signs=...) against the Hadamard kernel followed by fp8_quantize, for each way of applying
+    the rotation (the default: a matmul, fused, up to width 128, the two kernels at 256; the butterfly, fused),
+    whole tiles and tiles read in chunks: the same scales, and the same e4m3 values except where the rotation's
+    fp32 sums round differently (fp32 inputs, whose sums fp32 cannot always hold exactly), by one e4m3 step. The
+    transposed layout holds the same values, keys contiguous, rows 16-byte aligned (TMA)."""
+    if method != "default":
+        monkeypatch.setattr(fp8_quant, "rotate_method", lambda dim: method)
+    monkeypatch.setattr(fp8_quant, "ROTATE_CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(shape, generator=gen) * 2 + torch.randn(shape[-1], generator=gen) * 3).to(device, dtype)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # strided input
+    mean = _seq_mean(x) if centre else None
+    signs = random_signs(padded_dim(shape[-1]), seed=3, device=device)
+    q, scales = fp8_quantize(x, block_n, mean=mean, signs=signs, transposed=transposed)
+    ref_q, ref_scales = fp8_quantize(hadamard(x, signs, mean=mean), block_n)
+    if transposed:
+        assert q.shape == (*shape[:2], signs.numel(), shape[2]) and q.stride(3) == 1 and q.stride(2) % 16 == 0
+        q = q.transpose(2, 3)
+    assert torch.equal(scales, ref_scales)
+    a, b = q.float(), ref_q.float()
+    differ = a != b
+    assert differ.float().mean() <= 1e-3 and ((a - b).abs() <= a.abs().maximum(b.abs()) / 8).all()
+    if dtype == torch.float16 and device == "cpu":
+        assert not differ.any()
+
+
 def test_quantize_bad_input():
     with pytest.raises(ValueError, match="block_n=24"):
         fp8_quantize(torch.randn(1, 1, 4, 8), 24)
     x = torch.randn(1, 2, 4, 24)
     with pytest.raises(ValueError, match=r"fp8_quantize: mean must be float32 of shape \(1, 2, 24\)"):
         fp8_quantize(x, 16, mean=torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match=r"fp8_quantize: signs has shape \(24,\); expected \(32,\)"):
+        fp8_quantize(x, 16, signs=torch.ones(24))
     with pytest.raises(ValueError, match=r"hadamard: mean must be float32 of shape \(1, 2, 24\)"):
         hadamard(x, torch.ones(32), mean=torch.zeros(1, 2, 24, dtype=torch.float64))
     with pytest.raises(ValueError, match="mean is for the forward transform"):

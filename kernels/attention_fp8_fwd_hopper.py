@@ -1,0 +1,248 @@
+"""FP8 (e4m3) attention forward for Hopper (sm_90): the warp-specialised schedule of ``attention_fwd_hopper``
+on the FP8 operands of ``attention_fp8_fwd``.
+
+Same inputs and numerics as ``attention_fp8_fwd_kernel``: Q8 in tiles of 128 rows (one scale per CTA, whose
+two softmax warpgroups of 64 rows share it), K8 and V8 in tiles of KV_TILE keys, V stored transposed
+(K-major, as FP8 wgmma takes its right operand); scores c * (Q8 K8^T) with c = q_scale * k_scale *
+softmax_scale * log2(e) applied inside the exponent's FMA; P448 = exp2(S - m + log2(448)) rounded to e4m3
+(P's fixed scale 448); l the row sum of the unrounded P448.
+
+What differs is where P V is summed. ``attention_fp8_fwd`` computes each block's P8 V8 into a fresh fp32 tile
+and adds it as acc * alpha + pv * v_scale (two instructions per output element and a second accumulator's
+registers). Here the wgmma adds P8 V8 straight into acc, which is kept in units of the current V tile's scale:
+after block j's product the rescale multiplies by alpha * v_scale_j / v_scale_{j+1} (a per-row factor it
+applies anyway), and the epilogue multiplies by the last tile's scale. The tile scales are powers of two
+(``fp8_quant``), so the ratio and the products with it are exact; what changes is the rounding of the sum,
+which the tensor core carries between blocks with its own FP8 accumulation precision (on the H200: outputs
+within 4e-3 of the Triton kernel's in bf16 units, the same error against float64 to 4 digits; the LSE
+bit-identical). The accumulator stays finite while the V tile scales of one (batch, head) span less than about
+2^90. The separate-tile form in this schedule ran at 0.86-0.99x its throughput at head_dim 128 on the H200
+(benchmarks/NOTES.md).
+
+Per key block a warpgroup's work splits as in ``attention_fwd_hopper``: stage 1 (off-band) without masks,
+stage 2 (on-band: the diagonal and the ragged tail of seq_k) masked. ``attention_fp8_fwd`` dispatches here
+where ``fp8_hopper_forward_applies``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .attention_fwd import LOG2E
+from .attention_fwd_hopper import WG_ROWS, _kv_loader, _pass_turn, _wait_turn, ensure_scratch_allocator
+from .configs import cdiv, fp8_hopper_fwd_meta
+
+LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
+BLOCK_M = 128  # query rows per CTA: one Q scale tile, two softmax warpgroups
+
+
+@gluon.jit
+def _fp8_softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, MASK: gl.constexpr,
+                      CAUSAL: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One key block of the online softmax on the raw FP8 product s (64, BLOCK_N), c > 0 its scale: returns
+    (P448 in e4m3 as the A operand of P V, new row max, new row sum, alpha)."""
+    if MASK:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = cols[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
+        s = gl.where(visible, s, float("-inf"))
+    # every row sees key 0 (causal needs seq_q <= seq_k), so m_new is finite from block 0 on
+    m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+    p = gl.exp2(s * c - (m_new - LOG2_448)[:, None])  # one FFMA per score; P448 = 448 P
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(gl.float8e4nv), p_layout), m_new, l_new, alpha
+
+
+@gluon.jit
+def _fp8_attend_blocks(lo, hi, p8, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS,
+                       kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
+                       CAUSAL: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                       STAGES: gl.constexpr, BLOCK_N: gl.constexpr, KV_TILE: gl.constexpr,
+                       s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Key blocks [lo, hi). Step j: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together, the softmax of
+    S_j under the latter, slot j - 1 handed back, then acc rescaled for m_j and to V tile j's units. Returns
+    the state after block hi - 1 (p8: its P, not yet times V; vs_prev: its V tile's scale)."""
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    for j in range(lo, hi):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        tile = kv_tile0 + (j * BLOCK_N) // KV_TILE
+        c = q_scale * gl.load(KS + tile) * qk_scale
+        vs = gl.load(VS + tile)
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        _wait_turn(j, WG, PINGPONG)
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p8, vt_smem.index(prev).permute((1, 0)), acc, is_async=True)
+        _pass_turn(j, n_blocks, WG, CONSUMERS, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # groups complete in order: S_j first
+        p8, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, rows, j * BLOCK_N, seq_k, causal_offset, c, MASK,
+                                                CAUSAL, s_layout, p_layout, BLOCK_N)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev), count=1)
+        # to units of V tile j's scale, rescaled for m_j: both factors per row, the ratio exact (powers of two)
+        acc = acc * gl.convert_layout(alpha * (vs_prev / vs), row_o)[:, None]
+        vs_prev = vs
+    return p8, m_i, l_i, acc, vs_prev
+
+
+@gluon.jit
+def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE, lse_row0, stride_om, stride_od,
+                           seq_q, seq_k, cta_start_m, q_scale, kv_tile0, n_blocks, causal_offset, qk_scale,
+                           QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Softmax warpgroup WG: query rows [start_m, start_m + 64), start_m = cta_start_m + 64 * WG."""
+    start_m = cta_start_m + WG * WG_ROWS
+    # FP8 wgmma: instruction k of 32 (bytes per row of a 32-element e4m3 slice)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [WG_ROWS, QK_DIM], q_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
+
+    # key blocks [0, n_free) need no mask (as in attention_fwd_hopper)
+    n_free = seq_k // BLOCK_N
+    if CAUSAL:
+        n_free = gl.minimum((start_m + causal_offset + 1) // BLOCK_N, n_free)
+    rows = start_m + gl.arange(0, WG_ROWS, layout=row_s)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.invalidate(q_bar)
+
+    # block 0: scores and softmax only; its P V product is issued with block 1's scores
+    c = q_scale * gl.load(KS + kv_tile0) * qk_scale
+    vs_prev = gl.load(VS + kv_tile0)
+    mbarrier.wait(ready.index(0), 0)
+    _wait_turn(0, WG, PINGPONG)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)),
+                      gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+    _pass_turn(0, n_blocks, WG, CONSUMERS, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    if n_free > 0:
+        p8, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, False, CAUSAL, s_layout,
+                                            p_layout, BLOCK_N)
+    else:
+        p8, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, True, CAUSAL, s_layout,
+                                            p_layout, BLOCK_N)
+    # stage 1: off-band, no mask; stage 2: on-band, masked
+    p8, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
+        1, n_free, p8, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS, kv_tile0,
+        q_scale, n_blocks, seq_k, causal_offset, qk_scale, False, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N,
+        KV_TILE, s_layout, o_layout, p_layout)
+    p8, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
+        gl.maximum(n_free, 1), n_blocks, p8, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows,
+        KS, VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, True, CAUSAL, WG, CONSUMERS, PINGPONG,
+        STAGES, BLOCK_N, KV_TILE, s_layout, o_layout, p_layout)
+    last = (n_blocks - 1) % STAGES
+    acc = warpgroup_mma(p8, vt_smem.index(last).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index(last), count=1)
+
+    # acc is in units of the last V tile's scale; the 448 of P448 cancels against l's
+    out = acc * gl.convert_layout(vs_prev / l_i, row_o)[:, None]
+    rows_o = start_m + gl.arange(0, WG_ROWS, layout=row_o)
+    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(O + rows_o[:, None].to(gl.int64) * stride_om + cols_o[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=rows_o[:, None] < seq_q)
+    gl.store(LSE + lse_row0 + rows, m_i + gl.log2(l_i) - LOG2_448, mask=rows < seq_q)
+
+
+@gluon.jit
+def attention_fp8_fwd_hopper_kernel(
+    Q8, QS, K8, KS, VT8, VS, O, LSE,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vtb, stride_vth, stride_vtn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    seq_q, seq_k, qk_scale,
+    GROUP: gl.constexpr, QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+    KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    """One program: 128 query rows of one (batch, head). Grid (cdiv(seq_q, 128), H_q, B).
+
+    Q8: (B, H_q, seq_q, QK_DIM) e4m3, QS: (B, H_q, cdiv(seq_q, 128)) fp32; K8: (B, H_kv, seq_k, QK_DIM) e4m3;
+    VT8: (B, H_kv, HEAD_DIM, seq_k) e4m3 (V transposed); KS, VS: (B, H_kv, cdiv(seq_k, KV_TILE)) fp32. Unit
+    stride on the last dims, other strides TMA-aligned. O: (B, H_q, seq_q, HEAD_DIM), LSE (B, H_q, seq_q)
+    fp32 contiguous, log2 domain. qk_scale = softmax scale * log2(e) > 0.
+    """
+    CONSUMERS: gl.constexpr = 2
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m  # heaviest blocks first: a shorter tail
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    off_hk = off_h // GROUP
+    heads_q = gl.num_programs(1)
+    start_m = pid_m * (WG_ROWS * CONSUMERS)
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, QK_DIM], gl.float8e4nv)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, QK_DIM], gl.float8e4nv)
+    vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
+    q_desc = tma.make_tensor_descriptor(Q8 + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh,
+                                        [seq_q, QK_DIM], [stride_qm, 1], [WG_ROWS, QK_DIM], q_layout)
+    k_desc = tma.make_tensor_descriptor(K8 + off_b.to(gl.int64) * stride_kb + off_hk.to(gl.int64) * stride_kh,
+                                        [seq_k, QK_DIM], [stride_kn, 1], [BLOCK_N, QK_DIM], k_layout)
+    vt_desc = tma.make_tensor_descriptor(VT8 + off_b.to(gl.int64) * stride_vtb + off_hk.to(gl.int64) * stride_vth,
+                                         [HEAD_DIM, seq_k], [stride_vtn, 1], [HEAD_DIM, BLOCK_N], vt_layout)
+    q_scale = gl.load(QS + (off_b.to(gl.int64) * heads_q + off_h) * gl.num_programs(0) + pid_m)
+    kv_tile0 = (off_b.to(gl.int64) * (heads_q // GROUP) + off_hk) * gl.cdiv(seq_k, KV_TILE)
+    o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+    lse_row0 = (off_b.to(gl.int64) * heads_q + off_h) * seq_q
+
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, QK_DIM], k_layout)
+    vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], vt_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+
+    causal_offset = seq_k - seq_q
+    n_blocks = gl.cdiv(seq_k, BLOCK_N)
+    if CAUSAL:
+        n_blocks = gl.minimum(gl.cdiv(start_m + WG_ROWS * CONSUMERS + causal_offset, BLOCK_N), n_blocks)
+    # the warpgroup entries differ only in WG, their last argument (literal tuples: see attention_fwd_hopper)
+    gl.warp_specialize([
+        (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, KS, VS, o_base, LSE, lse_row0, stride_om,
+                                  stride_od, seq_q, seq_k, start_m, q_scale, kv_tile0, n_blocks, causal_offset,
+                                  qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
+                                  0)),
+        (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, KS, VS, o_base, LSE, lse_row0, stride_om,
+                                  stride_od, seq_q, seq_k, start_m, q_scale, kv_tile0, n_blocks, causal_offset,
+                                  qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
+                                  1)),
+        (_kv_loader, (k_desc, vt_desc, k_smem, vt_smem, ready, empty, n_blocks, BLOCK_N, STAGES, True)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def attention_fp8_fwd_hopper(q8, q_scales, k8, k_scales, vt8, v_scales, out, lse, causal: bool, scale: float,
+                             kv_tile: int, **overrides) -> None:
+    """Launch into ``out`` and ``lse`` on ``attention_fp8_fwd``'s quantised operands (Q tiles of 128 rows, K/V
+    tiles of ``kv_tile`` keys; vt8 (B, H_kv, D, N_k) with a TMA-aligned row stride), for inputs that
+    ``fp8_hopper_forward_applies`` accepted. ``overrides``: kernel constexprs to replace (benchmarks)."""
+    batch, heads_q, seq_q, qk_dim = q8.shape
+    head_dim, seq_k = vt8.shape[2], vt8.shape[3]
+    meta = {**fp8_hopper_fwd_meta(head_dim, causal), **overrides}
+    ensure_scratch_allocator()
+    attention_fp8_fwd_hopper_kernel[(cdiv(seq_q, BLOCK_M), heads_q, batch)](
+        q8, q_scales, k8, k_scales, vt8, v_scales, out, lse, *q8.stride()[:3], *k8.stride()[:3], *vt8.stride()[:3],
+        *out.stride(), seq_q, seq_k, scale * LOG2E, GROUP=heads_q // k8.shape[1], QK_DIM=qk_dim, HEAD_DIM=head_dim,
+        KV_TILE=kv_tile, CAUSAL=causal, **meta, num_warps=4)
