@@ -9,6 +9,9 @@ import math
 
 import torch
 
+# the +-1 matrix only (a constant): hadamard_ref's matmul with it stays independent of the butterfly kernel
+from .kernels.hadamard import hadamard_matrix
+
 
 def causal_mask(seq_q: int, seq_k: int, device=None) -> torch.Tensor:
     """Bool (seq_q, seq_k), True where query i may see key j: j <= i + seq_k - seq_q (bottom-right)."""
@@ -71,14 +74,6 @@ def pow2_at_least(x: torch.Tensor) -> torch.Tensor:
 def fp8_dequantize_ref(q: torch.Tensor, scales: torch.Tensor, block_n: int) -> torch.Tensor:
     """q.float() * the scale of each row's tile."""
     return q.float() * scales.repeat_interleave(block_n, dim=-1)[..., : q.shape[2], None]
-
-
-def hadamard_matrix(d: int, dtype=torch.float64, device=None) -> torch.Tensor:
-    """Sylvester Hadamard matrix (d x d, d a power of two), entries +-1."""
-    h = torch.ones(1, 1, dtype=dtype, device=device)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
 
 
 def hadamard_ref(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import LOG2E, _load_rows, _visible, allocate_outputs, hopper_device_ready, hopper_module
+from .attention_fwd import (LOG2E, _load_rows, _visible, allocate_outputs, hopper_device_ready, hopper_mode_allows,
+                            hopper_module)
 from .fp8_quant import _to_e4m3, fp8_quantize, quantize_scores_operands
 
 LOG2_448 = tl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
@@ -195,12 +196,12 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
 def fp8_hopper_forward_applies(q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Tensor, causal: bool,
                                scale: float) -> bool:
     """Whether ``attention_fp8_fwd`` runs the warp-specialised FP8 Hopper kernel (attention_fp8_fwd_hopper.py) on
-    these quantised operands: ``configs.hopper_forward``'s mode is not "never", CUDA outside the interpreter,
-    Q/K rows as wide as V's with a config in FP8_HOPPER_FWD_CONFIGS, causal only with seq_q <= seq_k (every
+    these quantised operands: ``hopper_mode_allows`` (with ``configs.hopper_forward``'s mode), Q/K rows as wide
+    as V's with a config in FP8_HOPPER_FWD_CONFIGS, causal only with seq_q <= seq_k (every
     row sees a key), a scale > 0 (the row max is taken before scaling), in "auto" mode a sequence of at least
     FP8_HOPPER_FWD_MIN_SEQ (None: never), and ``hopper_device_ready`` (TMA-addressable tiles, sm_90, Gluon)."""
     mode = configs.hopper_forward_mode()
-    if mode == "never" or configs.INTERPRET or not q8.is_cuda:
+    if not hopper_mode_allows(mode, q8):
         return False
     head_dim, seq_q, seq_k = vt8.shape[2], q8.shape[2], k8.shape[2]
     if q8.shape[3] != head_dim or head_dim not in configs.FP8_HOPPER_FWD_CONFIGS:

@@ -300,12 +300,18 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     return hopper_device_ready((q, k, v), "attention_fwd_hopper")
 
 
+def hopper_mode_allows(mode: str, q: torch.Tensor) -> bool:
+    """The first rule of every Hopper kernel (the 16-bit and FP8 ones): its ``configs.hopper_*`` mode is not
+    "never", and ``q`` is on a CUDA device outside the interpreter."""
+    return mode != "never" and not configs.INTERPRET and q.is_cuda
+
+
 def hopper_inputs_qualify(mode: str, q: torch.Tensor, key_padding_mask: torch.Tensor | None, dropout_p: float,
                           kernels: tuple[str, ...]) -> bool:
-    """The cheap rules every Hopper kernel (forward and backward) shares: its ``configs.hopper_*`` mode is not
-    "never", the Triton ``kernels`` it replaces are not forced (``configs.forced_configs``), CUDA fp16/bf16
-    inputs outside the interpreter, no key padding mask or dropout."""
-    if mode == "never" or configs.INTERPRET or not q.is_cuda or any(configs.is_forced(n) for n in kernels):
+    """The cheap rules every 16-bit Hopper kernel (forward and backward) shares: ``hopper_mode_allows``, the
+    Triton ``kernels`` it replaces are not forced (``configs.forced_configs``), fp16/bf16 inputs, no key padding
+    mask or dropout."""
+    if not hopper_mode_allows(mode, q) or any(configs.is_forced(n) for n in kernels):
         return False
     return q.dtype in (torch.float16, torch.bfloat16) and key_padding_mask is None and not dropout_p > 0
 

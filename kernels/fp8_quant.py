@@ -20,7 +20,6 @@ output in any layout, such as V transposed for the FP8 forward: one read of x an
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -29,7 +28,7 @@ import triton.language as tl
 
 from . import configs
 from .attention_fwd import _scale, split_scale
-from .hadamard import _fwht, check_mean, hadamard, padded_dim
+from .hadamard import _fwht, check_mean, hadamard, hadamard_matrix, padded_dim
 
 E4M3_MAX = 448.0
 
@@ -219,15 +218,6 @@ def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
     if rotate:
         return min(block_n, max(16, ROTATE_CHUNK_ELEMENTS // block_d))
     return max(1, min(block_n, QUANT_CHUNK_ELEMENTS // block_d))
-
-
-@functools.lru_cache(maxsize=None)
-def hadamard_matrix(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The (dim, dim) Sylvester Hadamard matrix of +-1 (exact in every float dtype), contiguous."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h.to(device=device, dtype=dtype).contiguous()
 
 
 @configs.on_input_device

@@ -11,6 +11,7 @@ transform on them: additions and subtractions only, then one scale.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -80,6 +81,16 @@ def hadamard_kernel(X, SIGNS, Y, MEAN, n_rows, d_in, d_out, rows_per_mean, norm,
         x = x * signs[None, :]
     tl.store(Y + rows[:, None].to(tl.int64) * d_out + cols[None, :], x.to(Y.dtype.element_ty),
              mask=(rows[:, None] < n_rows) & (cols[None, :] < d_out))
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard_matrix(dim: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+    """The (dim, dim) Sylvester Hadamard matrix (dim a power of two) of +-1, exact in every float dtype,
+    contiguous; cached per (dim, dtype, device): do not modify it."""
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h.contiguous()
 
 
 def padded_dim(head_dim: int) -> int:

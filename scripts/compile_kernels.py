@@ -16,6 +16,7 @@ kernels by Python functions).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -138,6 +139,8 @@ def fp8_jobs(dtype="bf16", target_arch=90):
     """As attention_jobs for the FP8 path; ``target_arch`` 90 adds the FP8 Hopper forward."""
     fp8 = "*fp8e4nv"
     bwd = configs.fp8_bwd_config(1 << 20)
+    if target_arch == 90:  # sm_90 only (wgmma, setmaxnreg)
+        from flashtrain.kernels.attention_fp8_fwd_hopper import attention_fp8_fwd_hopper_kernel
     for head_dim in (64, 128, 256):
         fwd = configs.fp8_config(1 << 20, head_dim)
         fwd_ptr = {"Q8": fp8, "K8": fp8, "VT8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "O": f"*{dtype}",
@@ -148,7 +151,6 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                         CAUSAL=causal, SCALE_EARLY=False, BLOCK_M=fwd["BLOCK_M"], BLOCK_N=fwd["BLOCK_N"]),
                    fwd["num_warps"], fwd["num_stages"])
             if target_arch == 90 and head_dim in configs.FP8_HOPPER_FWD_CONFIGS:
-                from flashtrain.kernels.attention_fp8_fwd_hopper import attention_fp8_fwd_hopper_kernel
                 yield (f"fp8 fwd hopper D={head_dim} causal={causal}", attention_fp8_fwd_hopper_kernel, fwd_ptr,
                        dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, KV_TILE=fwd["BLOCK_N"], CAUSAL=causal,
                             **configs.fp8_hopper_fwd_meta(head_dim, causal)), 4, 2)
@@ -162,8 +164,8 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                        bwd["num_stages"])
         quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "SIGNS": "*fp32", "H": f"*{dtype}", "Q": fp8, "S": "*fp32"}
         # V, dO / K with smoothing / Q / K rotated and smoothed; (128, 256) tiles in chunks
-        fused = head_dim <= fp8_quant.FUSED_ROTATION_MAX_DIM
-        for centre, rotate in ((False, False), (True, False), (False, True), (True, True))[:4 if fused else 2]:
+        rotations = (False, True) if head_dim <= fp8_quant.FUSED_ROTATION_MAX_DIM else (False, )
+        for rotate, centre in itertools.product(rotations, (False, True)):
             yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}{' rotated' if rotate else ''}",
                    fp8_quantize_kernel, quant_ptr,
                    dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
