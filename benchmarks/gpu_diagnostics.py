@@ -159,7 +159,9 @@ if "fp8fwd" in section:
                     log(sec="fp8fwd", what="quantize one tensor", D=D, N=N, ms=ms)
             del q, k, v
 
-FP8_BWD_SWEEP = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 3), (128, 8, 1), (32, 4, 2)]
+# (dK/dV, dQ) launch configs (BLOCK_M, BLOCK_N, warps, stages), each tile dividing the 128-row scale tiles
+FP8_BWD_SWEEP = [((64, 128, 8, 3), (64, 64, 4, 3)), ((64, 128, 8, 2), (128, 128, 8, 2)),
+                 ((32, 128, 8, 3), (64, 64, 4, 2)), ((64, 64, 4, 2), (128, 64, 8, 2))]
 FP8_BWD_SEQS = [int(n) for n in os.environ.get("FP8_BWD_SEQS", "4096 16384").split()]
 if "fp8bwd" in section:
     for D in (128, 64):
@@ -167,7 +169,7 @@ if "fp8bwd" in section:
             B, H = 16384 // N, 2048 // D
             q, k, v = rnd(B, H, N, D, grad=True)
             dout = torch.randn_like(q)
-            default_bwd = configs.FP8_BWD
+            default_bwd = configs.FP8_BWD_DKDV[D], configs.FP8_BWD_DQ[D]
             for causal in (False, True):
                 out = flash_attention(q, k, v, causal=causal)
                 ms16 = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=50, rep=200,
@@ -175,7 +177,7 @@ if "fp8bwd" in section:
                 log(sec="fp8bwd", what="bf16 flash bwd", D=D, N=N, causal=causal, ms=ms16,
                     tf=tf(B, H, N, D, causal, ms16, bwd=True))
                 for cfg in FP8_BWD_SWEEP:
-                    configs.FP8_BWD = cfg
+                    configs.FP8_BWD_DKDV[D], configs.FP8_BWD_DQ[D] = cfg
                     try:
                         out8 = flash_attention(q, k, v, causal=causal, fp8="full")
                         ms = do_bench(lambda: out8.backward(dout, retain_graph=True), warmup=50, rep=200,
@@ -184,7 +186,7 @@ if "fp8bwd" in section:
                             tf=tf(B, H, N, D, causal, ms, bwd=True), x_bf16=round(ms16 / ms, 3))
                     except Exception as e:  # noqa: BLE001
                         log(sec="fp8bwd", what=f"fp8 full bwd {cfg}", D=D, N=N, causal=causal, error=repr(e)[:300])
-                configs.FP8_BWD = default_bwd
+                configs.FP8_BWD_DKDV[D], configs.FP8_BWD_DQ[D] = default_bwd
             del q, k, v
 
 if "fp8acc" in section:

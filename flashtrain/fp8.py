@@ -52,13 +52,23 @@ Numerics:
   forward's output enter unquantised. The gradient passes straight through the quantisation (and back
   through the rotation).
 * ``fp8="full"`` (``flashtrain.kernels.attention_fp8_bwd``): Q, K (rotated again, in the input dtype), V and dO
-  are quantised per tile of one BLOCK (64 rows on the GPU); P is recomputed from the FP8 Q K^T and the
-  forward's LSE; dV = P8^T dO8 (P8 with the fixed scale 448), dP = dO8 V8^T, dS = P (dP - delta) in fp32
-  with delta = rowsum(dO * O) from the unrounded tensors, then dS is quantised per (BLOCK x BLOCK) tile
-  (amax / 448) for dQ = dS8 K8 and dK = dS8^T Q8, all accumulated in fp32. dQ and dK are rotated back by
-  the inverse Hadamard transform and cast to the input dtype. ``flashtrain.reference.fp8_attention_bwd_ref``
-  simulates it in float64; the kernels match it to 2e-3 (the fp16 rounding of the result) in Triton's
-  interpreter and to ~1e-2 on Hopper (next point), and exact attention's gradients to 4-7% on the tests' shapes.
+  are quantised per tile of 128 rows on the GPU (``configs.fp8_bwd_tiles``; an all-zero Q or dO tile reports
+  scale 0); P is recomputed from the FP8 Q K^T and the forward's LSE; dP = dO8 V8^T, dS = P (dP - delta) in
+  fp32 with delta = rowsum(dO * O) from the unrounded tensors. dV and dK accumulate in place in fp32 (the
+  tensor core's accumulator), each in a power-of-two unit, so every product lands unscaled:
+  - dV = sum P8^T dO8 in units of u_V / 448, u_V the largest dO tile scale of the GQA group: P8 =
+    round_e4m3(448 P do_scale / u_V), P's fixed scale 1/448 for the largest dO tiles and lower binades (down to
+    e4m3's subnormals) for smaller ones;
+  - dK (the dK/dV kernel's dS^T tile, BLOCK_N keys x BLOCK_M queries): per key, u_K is the running largest
+    (over the query tiles so far) of c = (amax over the tile's queries of |dS| / 448, up to a power of two) x
+    q_scale; a larger c rescales the key's dK row by u_old / u_new (exact), and dS8 = round_e4m3(dS q_scale /
+    u_K), which is dS over its own row scale where c is the largest;
+  - dQ (the dQ kernel's dS tile, BLOCK_M queries x BLOCK_N keys): one power-of-two scale per query row over the
+    key tile, dQ += (dS8 K8) x row scale x k_scale.
+  dQ and dK are rotated back by the inverse Hadamard transform and rounded to the input dtype; dV is written in
+  V's. ``flashtrain.reference.fp8_attention_bwd_ref`` simulates all of it in float64 (the units in the kernels'
+  order); the kernels match it to 2e-3 (the fp16 rounding of the result) in Triton's interpreter and to ~1e-2
+  on Hopper (next point), and exact attention's gradients to 4-7% on the tests' shapes.
 * Accumulation: the FP8 products accumulate in fp32 registers, but on sm_90 Triton's default for FP8
   ``tl.dot`` (``max_num_imprecise_acc``) leaves the whole sum to the tensor core's accumulator, which keeps a
   mantissa of about 14 bits. Measured on the H200 (``benchmarks/gpu_diagnostics.py fp8acc``): a 64 / 128-term
@@ -130,12 +140,12 @@ def _seq_mean(x: Tensor) -> Tensor:
     return x.mean(dim=2, dtype=torch.float32)
 
 
-def _centred(x: Tensor) -> Tensor:
-    """x minus ``_seq_mean(x)``, in x's dtype: what K smoothing does to K (there fused into a kernel),
-    and, the centring being a symmetric projection and so its own Jacobian, what the backward does to dK. One
-    subtraction into an x-dtype output computes in fp32 and rounds on the store: the same bits as
-    ``(x - mean).to(x.dtype)``, in three passes over x instead of seven."""
-    return torch.sub(x, _seq_mean(x)[:, :, None], out=torch.empty_like(x))
+def _centred(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """x minus ``_seq_mean(x)``, in x's dtype (or ``dtype``): what K smoothing does to K (there fused into a
+    kernel), and, the centring being a symmetric projection and so its own Jacobian, what the backward does to
+    dK. One subtraction into the output computes in fp32 and rounds on the store: the same bits as
+    ``(x - mean).to(dtype)``, in three passes over x instead of seven."""
+    return torch.sub(x, _seq_mean(x)[:, :, None], out=torch.empty_like(x, dtype=dtype or x.dtype))
 
 
 # K smoothing runs inside the custom ops (not as torch ops around them), so that torch.compile runs the same
@@ -179,12 +189,13 @@ def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
     dq, dk, dv = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, signs,
                                    _seq_mean(k) if smooth_k else None)
+    # fp32 dq, dk rounded once to the inputs' dtypes, by the last pass that reads them (dv comes in v's dtype)
     if rotate:  # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), cut to head_dim
-        dq = hadamard(dq, signs, inverse=True, out_dim=q.shape[-1])
-        dk = hadamard(dk, signs, inverse=True, out_dim=k.shape[-1])
+        dq = hadamard(dq, signs, inverse=True, out_dim=q.shape[-1], out_dtype=q.dtype)
+        dk = hadamard(dk, signs, inverse=True, out_dim=k.shape[-1], out_dtype=None if smooth_k else k.dtype)
     if smooth_k:
-        dk = _centred(dk)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dk = _centred(dk, k.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv
 
 
 @_attention_fp8_bwd_op.register_fake

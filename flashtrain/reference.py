@@ -132,24 +132,72 @@ def fp8_attention_ref(q, k, v, *, causal=False, scale=None, scheme="block+hadama
     return (p8 @ v8) / row_sum.masked_fill(row_sum == 0, 1.0)  # and output 0
 
 
-def _tile_quantize(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x (..., M, N) rounded to e4m3 with one scale per (block x block) tile (amax / 448), in float64."""
+def _tile_quantize(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """x (..., M, N) rounded to e4m3 with one scale per (rows x cols) tile: amax / 448 rounded up to a power of
+    two (1 for an all-zero tile), in float64."""
     m, n = x.shape[-2:]
-    pm, pn = -(-m // block) * block, -(-n // block) * block
+    pm, pn = -(-m // rows) * rows, -(-n // cols) * cols
     padded = torch.nn.functional.pad(x, (0, pn - n, 0, pm - m))
-    tiles = padded.unflatten(-2, (pm // block, block)).unflatten(-1, (pn // block, block))  # (..., Tm, b, Tn, b)
-    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    tiles = padded.unflatten(-2, (pm // rows, rows)).unflatten(-1, (pn // cols, cols))  # (..., Tm, r, Tn, c)
+    scale = _pow2_scales(tiles.abs().amax(dim=(-3, -1), keepdim=True))
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return _e4m3_round_trip(tiles, scale).flatten(-4, -3).flatten(-2, -1)[..., :m, :n]
 
 
-def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, causal=False, scale=None, block=64, signs=None,
-                          smooth_k=False):
+def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 rounded up to a power of two; 0 where amax is 0."""
+    return torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 448.0))), torch.zeros_like(amax))
+
+
+def _empty_tiles_zero(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x's tile scales (fp8_quantize_ref) per row, (B, H, >= N) float64, 0 for an all-zero tile (the backward
+    quantises Q and dO with ``empty_tile_scale=0.0``)."""
+    scales = fp8_quantize_ref(x, block)[1].double()
+    amax = torch.nn.functional.pad(x.double(), (0, 0, 0, scales.shape[-1] * block - x.shape[2]))
+    amax = amax.unflatten(2, (scales.shape[-1], block)).abs().amax(dim=(-2, -1))
+    return torch.where(amax > 0, scales, torch.zeros_like(scales)).repeat_interleave(block, -1)
+
+
+def _group_unit_p(p: torch.Tensor, do_scales: torch.Tensor, group: int) -> torch.Tensor:
+    """P (B, H_q, M, N) as the dK/dV kernel rounds it for dV, dequantised, float64: P8 = round_e4m3(448 P *
+    do_scale / unit), unit the largest dO tile scale of the GQA group (dV accumulates in units of unit / 448).
+    ``do_scales``: dO's tile scales per row (B, H_q, >= M), 0 for an all-zero tile."""
+    heads_q, m = p.shape[1], p.shape[2]
+    unit = do_scales.unflatten(1, (heads_q // group, group)).amax(dim=(2, 3), keepdim=True)  # (B, H_kv, 1, 1)
+    unit = unit.repeat_interleave(group, 1)  # (B, H_q, 1, 1)
+    to_unit = torch.where(unit > 0, 448.0 * do_scales[..., :m, None] / unit, torch.zeros_like(p))
+    rounded = _e4m3_round_trip(p * to_unit, torch.ones((), dtype=torch.float64))
+    return torch.where(to_unit > 0, rounded / to_unit, torch.zeros_like(rounded))
+
+
+def _running_unit_quantize(ds: torch.Tensor, q_scales: torch.Tensor, group: int, block_m: int) -> torch.Tensor:
+    """dS (B, H_q, M, N) as the dK/dV kernel rounds it, dequantised, float64. The kernel walks the query tiles
+    of BLOCK_M rows (of each query head of a GQA group in turn) and keeps each key's dK row in units of the
+    running max over the tiles so far of c = (that key's dS scale over the tile) * q_scale; it rounds dS * q_scale
+    / unit to e4m3. ``q_scales``: Q's scale per query row (B, H_q, >= M)."""
+    batch, heads_q, m, n = ds.shape
+    tiles = -(-m // block_m)
+    padded = torch.nn.functional.pad(ds, (0, 0, 0, tiles * block_m - m)).unflatten(2, (tiles, block_m))
+    q_scale = q_scales[..., : tiles * block_m : block_m][..., None, None]  # (B, H_q, T, 1, 1)
+    c = _pow2_scales(padded.abs().amax(dim=3, keepdim=True)) * q_scale  # (B, H_q, T, 1, N)
+    # the running max in the kernel's order: the group's heads one after another, each over its tiles
+    unit = c.unflatten(1, (heads_q // group, group)).flatten(2, 3).cummax(dim=2).values
+    unit = unit.unflatten(2, (group, tiles)).flatten(1, 2)
+    to_unit = torch.where(unit > 0, q_scale / unit, torch.zeros_like(unit))
+    rounded = _e4m3_round_trip(padded * to_unit, torch.ones((), dtype=torch.float64))
+    rounded = torch.where(to_unit > 0, rounded / to_unit, torch.zeros_like(rounded))
+    return rounded.flatten(2, 3)[:, :, :m]
+
+
+def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, tiles, causal=False, scale=None, signs=None, smooth_k=False):
     """The FP8 backward (``fp8="full"``) simulated in float64, given the forward's ``out`` and natural-log
-    ``lse``: Q, K (rotated by ``signs`` if given, in their dtype), V and dO rounded to e4m3 per tile of ``block`` rows, P to
-    e4m3 with the fixed scale 1/448 for dV, dS per (block x block) tile for dQ and dK, delta from the
-    unrounded out and dout. ``smooth_k``: K enters as ``smooth_keys_ref(k)``, with the LSE of those scores,
-    and dK goes back through the centring. Returns float64 (dq, dk, dv)."""
+    ``lse``, with the kernels' tiling ``tiles`` (``flashtrain.kernels.configs.fp8_bwd_tiles``): Q and dO (Q
+    rotated by ``signs`` if given, in its dtype) rounded to e4m3 per tile of SCALE_M rows, K (rotated) and V per
+    tile of SCALE_N rows, P to e4m3 with the fixed scale 1/448 for dV, dS with one power-of-two scale per row of
+    each kernel's tile (ROW_SCALES; else per tile): per key over the dK/dV kernel's BLOCK_M queries for dK, per
+    query over the dQ kernel's BLOCK_N keys for dQ; delta from the unrounded out and dout. ``smooth_k``: K enters
+    as ``smooth_keys_ref(k)``, with the LSE of those scores, and dK goes back through the centring. Returns
+    float64 (dq, dk, dv)."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if smooth_k:
@@ -157,18 +205,20 @@ def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, causal=False, scale=None, 
         group = q.shape[1] // k.shape[1]
         shift = (q.double().unflatten(1, (k.shape[1], group)) @ k_mean.unsqueeze(2).transpose(-1, -2))
         lse = lse.double() - scale * shift.flatten(1, 2)[..., 0]  # the centred scores' LSE
-        dq, dk, dv = fp8_attention_bwd_ref(q, smooth_keys_ref(k), v, out, lse, dout, causal=causal, scale=scale,
-                                           block=block, signs=signs)
+        dq, dk, dv = fp8_attention_bwd_ref(q, smooth_keys_ref(k), v, out, lse, dout, tiles=tiles, causal=causal,
+                                           scale=scale, signs=signs)
         return dq, dk - dk.mean(dim=2, keepdim=True), dv
     if signs is not None:  # rotated, then rounded to the input dtype, as the kernels' inputs are
         q, k = hadamard_ref(q, signs), hadamard_ref(k, signs)
     q, k, v, out, dout = (t.double() for t in (q, k, v, out, dout))
 
-    def tiles_of_rows(t):
+    def tiles_of_rows(t, block):
         _, scales = fp8_quantize_ref(t, block)
         return _e4m3_round_trip(t, scales.double().repeat_interleave(block, -1)[..., : t.shape[2], None])
 
-    q8, k8, v8, do8 = (tiles_of_rows(t) for t in (q, k, v, dout))
+    q8, do8 = (tiles_of_rows(t, tiles["SCALE_M"]) for t in (q, dout))
+    q8_scales_rows, do_scales_rows = (_empty_tiles_zero(t, tiles["SCALE_M"]) for t in (q, dout))
+    k8, v8 = (tiles_of_rows(t, tiles["SCALE_N"]) for t in (k, v))
     group = q.shape[1] // k.shape[1]
     k8r, v8r = k8.repeat_interleave(group, 1), v8.repeat_interleave(group, 1)
     s = q8 @ k8r.transpose(-1, -2) * scale
@@ -176,16 +226,18 @@ def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, causal=False, scale=None, 
         s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
     lse = lse.double()
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), float("inf"))[..., None])  # no key: P = 0
-    p8 = _e4m3_round_trip(p, torch.tensor(1.0 / 448.0, dtype=torch.float64))
+    p_for_dv = _group_unit_p(p, do_scales_rows, group)
     delta = (dout * out).sum(-1, keepdim=True)
-    ds = _tile_quantize(p * (do8 @ v8r.transpose(-1, -2) - delta), block)
+    ds = p * (do8 @ v8r.transpose(-1, -2) - delta)
+    ds_for_dk = _running_unit_quantize(ds, q8_scales_rows, group, tiles["dkdv"]["BLOCK_M"])
+    ds_for_dq = _tile_quantize(ds, 1, tiles["dq"]["BLOCK_N"])  # one scale per query row of a key tile
 
     def per_kv_head(t):  # (B, H_q, ...) -> (B, H_kv, ...): sum over each GQA group
         return t.unflatten(1, (k.shape[1], group)).sum(2)
 
-    dv = per_kv_head(p8.transpose(-1, -2) @ do8)
-    dq = ds @ k8r * scale
-    dk = per_kv_head(ds.transpose(-1, -2) @ q8) * scale
+    dv = per_kv_head(p_for_dv.transpose(-1, -2) @ do8)
+    dq = ds_for_dq @ k8r * scale
+    dk = per_kv_head(ds_for_dk.transpose(-1, -2) @ q8) * scale
     if signs is not None:  # back from the rotated space: the inverse of x -> (x * signs) @ H / sqrt(d')
         d = signs.numel()
         h = hadamard_matrix(d, device=q.device) / math.sqrt(d)

@@ -2,22 +2,33 @@
 
 With the forward's notation (S in the log2 domain, lse from the FP8 forward), per tile pair:
     P   = exp2(S - lse),         S recomputed from the FP8 Q and K tiles as in the forward
-    dV += (P8^T dO8)  * (do_scale / 448)          P8 = round_e4m3(448 P), fixed scale as in the forward
     dP  = (dO8 V8^T)  * (do_scale * v_scale)
     dS  = P * (dP - delta)                        fp32; delta = rowsum(dO * O) - dlse (16-bit preprocess)
-    dS8 = round_e4m3(dS / ds_scale)               ds_scale = amax(|dS tile|) / 448, per (query, key) tile
-    dQ += (dS8 K8)    * (ds_scale * k_scale)      times the softmax scale at the end
-    dK += (dS8^T Q8)  * (ds_scale * q_scale)
-Q, K, V and dO are quantised once, all in tiles of the same BLOCK rows, so both kernels read the same
-scales; a dS tile is quantised the same way in both (its amax does not depend on the orientation). dQ and
-dK come out in the rotated space when the forward rotated Q and K; the caller maps them back.
+    dV += P8^T dO8                                P8 = round_e4m3(448 P * do_scale / dv_unit)
+    dK += dS8^T Q8                                dS8 = round_e4m3(dS * q_scale / dk_unit), per key row
+    dQ += (dS8 K8)    * (ds_scale * k_scale)      dS8 = round_e4m3(dS / ds_scale), per query row
+and at the end dV *= dv_unit / 448, dK *= dk_unit * softmax scale, dQ *= softmax scale. dV and dK thus
+accumulate in place in the tensor core's accumulator (a second fp32 tile for each product's scaled copy does
+not fit in registers beside them at 128 keys and head_dim 128): dv_unit is the largest dO tile scale of the
+GQA group; dk_unit, per key, the running largest (dS row scale) * q_scale, which rescales the key's dK row when
+it grows (powers of two: exact). An all-zero Q or dO tile has scale 0 here, so it never sets a unit.
+Q and dO are quantised in tiles of SCALE_M rows, K and V in tiles of SCALE_N rows (``configs.fp8_bwd_tiles``);
+the kernels' tiles divide them, so every tile a loop step loads has one scale. dS is quantised in the kernel
+that uses it, one power-of-two scale per row of the tile it holds: per key over BLOCK_M queries in the dK/dV
+kernel (dS^T's rows), per query over BLOCK_N keys in the dQ kernel. A row's scale multiplies a row of the
+product (dK's row for a key, dQ's for a query), so it comes out of the sum; a row amax is a reduction inside a
+warp, where one scale per tile needs all warps' maxima (a shared-memory round trip and a barrier every step).
+dQ and dK come out in the rotated space when the forward rotated Q and K; the caller maps them back.
+``flashtrain.reference.fp8_attention_bwd_ref`` simulates all of it in float64.
 
-The products that reduce over the sequence (dV, dK, dQ) read Q, K and dO from transposed copies, so every
-FP8 tensor-core operand has its reduced dim contiguous and every tile in the loops is a pipelined async copy.
+The products that reduce over the sequence (dV, dK, dQ) read Q, K and dO from transposed copies (quantised
+straight into that layout), so every FP8 tensor-core operand has its reduced dim contiguous and every tile in
+the loops is a pipelined async copy.
 
 Two kernels as in the 16-bit backward, no atomics: ``attention_fp8_bwd_dkdv_kernel`` (key tile resident,
 GQA group summed in registers) and ``attention_fp8_bwd_dq_kernel`` (query tile resident). Causal tiles
-above the diagonal are skipped.
+above the diagonal are skipped; only the tiles that cross it (and every tile of a ragged shape, whose
+sequence is not a multiple of the tiles) pay for masks.
 """
 
 from __future__ import annotations
@@ -29,152 +40,275 @@ import triton.language as tl
 from . import configs
 from .attention_bwd import backward_delta
 from .attention_fwd import LOG2E, _load_rows
-from .fp8_quant import _quantize_tile, _to_e4m3, fp8_quantize, quantize_scores_operands
+from .fp8_quant import SOFTWARE_ROUNDING, _pow2_at_least, _to_e4m3, fp8_quantize
 
 
 @triton.jit
-def _load_cols(base, cols, seq, offs_d, DIM: tl.constexpr):
-    """(BLOCK_D, BLOCK) tile of a transposed (DIM, seq) matrix at ``base``: columns ``cols``, zero-padded."""
-    return tl.load(base + offs_d[:, None] * seq + cols[None, :], mask=(offs_d[:, None] < DIM) & (cols[None, :] < seq),
-                   other=0.0)
+def _load_cols(ptrs, cols, seq, offs_d, DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_COLS: tl.constexpr):
+    """A (BLOCK_D, cols) tile of a transposed (DIM, seq) matrix; zero-fill columns >= seq (if MASK_COLS) and
+    rows >= DIM."""
+    if MASK_COLS:
+        return tl.load(ptrs, mask=(offs_d[:, None] < DIM) & (cols[None, :] < seq), other=0.0)
+    if DIM == BLOCK_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs_d[:, None] < DIM, other=0.0)
+
+
+@triton.jit
+def _to_e4m3_sat(x):
+    """fp32 x in e4m3, saturating at +-448: the GPU's conversion saturates (cvt.rn.satfinite); the interpreter's
+    software rounding needs |x| <= 448 first."""
+    if SOFTWARE_ROUNDING:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return _to_e4m3(x)
+
+
+@triton.jit
+def _row_scales(x):
+    """Per row of the fp32 tile x: amax / 448 rounded up to a power of two, 0 for an all-zero row."""
+    amax = tl.max(tl.abs(x), 1)
+    return tl.where(amax > 0.0, _pow2_at_least(amax / 448.0), 0.0)
+
+
+@triton.jit
+def _quantize_rows(x):
+    """(x8, scale): the fp32 tile x in e4m3 with one power-of-two scale per row ((rows,) fp32; 1 for an all-zero
+    row). The scale being a power of two, x * (1 / scale) is x / scale exactly."""
+    scale = _row_scales(x)
+    scale = tl.where(scale > 0.0, scale, 1.0)
+    return _to_e4m3_sat(x * (1.0 / scale)[:, None]), scale
+
+
+@triton.jit
+def _attention_fp8_bwd_dkdv_inner(dk, dv, dk_unit, inv_dv_unit, k, v, k_scale, v_scale, q_rows, qt_cols, do_rows,
+                                  dot_cols, q_scales, do_scales, lse_rows, delta_rows, lo, hi, offs_m, offs_n,
+                                  offs_dk, offs_dv, seq_q, seq_k, causal_offset, qk_scale, stride_qt_row,
+                                  stride_dot_row,
+                                  QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
+                                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_M: tl.constexpr,
+                                  MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Accumulate query tiles [lo, hi) of one query head into dK, dV of the resident key tile, on transposed
+    tiles (BLOCK_N keys, BLOCK_M queries) so that K and V stay the left operands. MASKED: bounds and the causal
+    mask (tiles crossing the diagonal, or a ragged shape); otherwise every element is visible and in bounds."""
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q = _load_rows(q_rows + rows[:, None] * QK_DIM + offs_dk[None, :], rows, seq_q, offs_dk, QK_DIM, BLOCK_DK,
+                       MASKED)
+        do = _load_rows(do_rows + rows[:, None] * HEAD_DIM + offs_dv[None, :], rows, seq_q, offs_dv, HEAD_DIM,
+                        BLOCK_DV, MASKED)
+        q_t = _load_cols(qt_cols + offs_dk[:, None] * stride_qt_row + rows[None, :], rows, seq_q, offs_dk, QK_DIM,
+                         BLOCK_DK, MASKED)  # (BLOCK_DK, BLOCK_M)
+        do_t = _load_cols(dot_cols + offs_dv[:, None] * stride_dot_row + rows[None, :], rows, seq_q, offs_dv, HEAD_DIM,
+                          BLOCK_DV, MASKED)  # (BLOCK_DV, BLOCK_M)
+        q_scale = tl.load(q_scales + start_m // SCALE_M)
+        do_scale = tl.load(do_scales + start_m // SCALE_M)
+        if MASKED:  # rows past seq_q: P = exp2(-inf) = 0
+            lse2 = tl.load(lse_rows + rows, mask=rows < seq_q, other=float("inf"))
+            delta = tl.load(delta_rows + rows, mask=rows < seq_q, other=0.0)
+        else:
+            lse2 = tl.load(lse_rows + rows)
+            delta = tl.load(delta_rows + rows)
+        # stage A: P^T, recomputed from the FP8 scores, (BLOCK_N, BLOCK_M)
+        p_t = tl.exp2(tl.dot(k, tl.trans(q)) * (k_scale * q_scale * qk_scale) - lse2[None, :])
+        if MASKED:  # keys past seq_k, and above the diagonal (rows that see no key have lse -inf: p = inf there)
+            visible = offs_n[:, None] < seq_k
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
+            p_t = tl.where(visible, p_t, 0.0)
+        # stage B: dV, in units of dv_unit / 448 (dv_unit: the largest dO scale of the GQA group), so that the
+        # product accumulates in place: P8 = round_e4m3(448 P * do_scale / dv_unit), P's fixed scale (P <= 1
+        # fills e4m3's range) for the largest dO tiles, lower binades for smaller ones
+        dv = tl.dot(_to_e4m3_sat(p_t * (448.0 * do_scale * inv_dv_unit)), tl.trans(do_t), dv)
+        # stage C: dS^T and dK. dK's rows are kept in units of dk_unit, the running max over the steps so far of
+        # c = (dS's row scale) * q_scale, so the product accumulates in place (no second fp32 tile): a larger c
+        # rescales the row (powers of two: exact), and dS is quantised as dS * q_scale / dk_unit, which is
+        # dS / (its row scale) where c is the max, and lower binades where an earlier step's c was larger.
+        dp_t = tl.dot(v, tl.trans(do)) * (v_scale * do_scale)
+        ds_t = p_t * (dp_t - delta[None, :])
+        unit = tl.maximum(dk_unit, _row_scales(ds_t) * q_scale)
+        inv_unit = 1.0 / tl.where(unit > 0.0, unit, 1.0)  # unit 0: the row's dS and dK are zeros so far
+        dk = dk * (dk_unit * inv_unit)[:, None]
+        ds8_t = _to_e4m3_sat(ds_t * (q_scale * inv_unit)[:, None])
+        dk = tl.dot(ds8_t, tl.trans(q_t), dk)
+        dk_unit = unit
+    return dk, dv, dk_unit
 
 
 @triton.jit
 def attention_fp8_bwd_dkdv_kernel(
-    Q8, QT8, QS, K8, KT8, KS, V8, VS, DO8, DOT8, DOS, LSE, DELTA, DK, DV,
+    Q8, QT8, QS, K8, KS, V8, VS, DO8, DOT8, DOS, DV_UNIT, LSE, DELTA, DK, DV,
+    stride_qt_h, stride_qt_row, stride_dot_h, stride_dot_row,
     seq_q, seq_k, qk_scale, sm_scale,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_M: tl.constexpr, SCALE_N: tl.constexpr,
 ):
-    """One program: BLOCK keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK), H_kv, B).
+    """One program: BLOCK_N keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK_N), H_kv, B).
 
-    Q8 (B, H_q, seq_q, QK_DIM), K8 (B, H_kv, seq_k, QK_DIM), V8 (B, H_kv, seq_k, HEAD_DIM), DO8 (B, H_q,
-    seq_q, HEAD_DIM): e4m3, contiguous, with fp32 scales QS, KS, VS, DOS per (batch, head, tile of BLOCK
-    rows). QT8, KT8, DOT8: the same Q8, K8, DO8 transposed, (B, H, dim, seq), for the products that reduce over
-    the sequence (FP8 tensor cores read both operands with the reduced dim contiguous; from Q8 itself Triton
-    stages the tile through registers into a second shared-memory layout, unpipelined). LSE (log2 domain),
-    DELTA: (B, H_q, seq_q) fp32. DK (B, H_kv, seq_k, QK_DIM) and DV (B, H_kv, seq_k, HEAD_DIM): fp32, contiguous.
+    Q8 (B, H_q, seq_q, QK_DIM), K8 (B, H_kv, seq_k, QK_DIM), V8 (B, H_kv, seq_k, HEAD_DIM), DO8 (B, H_q, seq_q,
+    HEAD_DIM): e4m3, contiguous; QS, DOS (B, H_q, cdiv(seq_q, SCALE_M)) and KS, VS (B, H_kv, cdiv(seq_k,
+    SCALE_N)) their fp32 scales. QT8, DOT8: Q8 and DO8 transposed, (B, H_q, dim, seq) with the seq stride 1 and
+    the given head and dim strides (FP8 tensor cores read both operands with the reduced dim contiguous). LSE
+    (log2 domain), DELTA: (B, H_q, seq_q) fp32. DV_UNIT (B * H_kv,) fp32: the largest of DOS over each GQA
+    group. DK (B, H_kv, seq_k, QK_DIM) fp32 and DV (B, H_kv, seq_k, HEAD_DIM) in V's dtype, contiguous.
+    EVEN: seq_q % BLOCK_M == 0 and seq_k % BLOCK_N == 0 (else every tile is masked).
     """
     pid_n = tl.program_id(0)
     off_hk = tl.program_id(1)
     off_b = tl.program_id(2)
     heads_kv = tl.num_programs(1)
     heads_q = heads_kv * GROUP
-    tiles_q = tl.cdiv(seq_q, BLOCK)
-    tiles_k = tl.cdiv(seq_k, BLOCK)
-    start_n = pid_n * BLOCK
-    offs_n = start_n + tl.arange(0, BLOCK)
-    offs_m = tl.arange(0, BLOCK)
+    scale_tiles_q = tl.cdiv(seq_q, SCALE_M)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
 
     head_kv = off_b.to(tl.int64) * heads_kv + off_hk
     k = _load_rows(K8 + (head_kv * seq_k + offs_n[:, None]) * QK_DIM + offs_dk[None, :],
-                   offs_n, seq_k, offs_dk, QK_DIM, BLOCK_DK, True)
+                   offs_n, seq_k, offs_dk, QK_DIM, BLOCK_DK, not EVEN)
     v = _load_rows(V8 + (head_kv * seq_k + offs_n[:, None]) * HEAD_DIM + offs_dv[None, :],
-                   offs_n, seq_k, offs_dv, HEAD_DIM, BLOCK_DV, True)
-    k_scale = tl.load(KS + head_kv * tiles_k + pid_n)
-    v_scale = tl.load(VS + head_kv * tiles_k + pid_n)
-    dk = tl.zeros([BLOCK, BLOCK_DK], dtype=tl.float32)
-    dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
+                   offs_n, seq_k, offs_dv, HEAD_DIM, BLOCK_DV, not EVEN)
+    scale_tile_n = head_kv * tl.cdiv(seq_k, SCALE_N) + start_n // SCALE_N
+    k_scale = tl.load(KS + scale_tile_n)
+    v_scale = tl.load(VS + scale_tile_n)
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)  # in units of dk_unit (see the loop)
+    dk_unit = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)  # in units of dv_unit / 448
+    dv_unit = tl.load(DV_UNIT + head_kv)
+    inv_dv_unit = 1.0 / tl.where(dv_unit > 0.0, dv_unit, 1.0)  # 0: dO is all zeros, and so is dV
 
     causal_offset = seq_k - seq_q
-    lo = 0
-    if CAUSAL:  # first query tile with a row that sees key start_n
-        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK) * BLOCK
-    for g in range(GROUP):
+    end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # first query row that sees key start_n: i >= start_n - causal_offset
+        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
+        # first row that sees every key of the tile: i >= start_n + BLOCK_N - 1 - causal_offset
+        first_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
+        mid = tl.minimum(tl.maximum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, lo), end)
+    else:
+        lo = 0
+        mid = 0
+    if not EVEN:
+        mid = end
+    for g in range(GROUP):  # the query heads sharing this KV head: GQA sum in registers
         head_q = off_b.to(tl.int64) * heads_q + off_hk * GROUP + g
-        for start_m in range(lo, seq_q, BLOCK):
-            rows = start_m + offs_m
-            tile_m = start_m // BLOCK
-            q = _load_rows(Q8 + (head_q * seq_q + rows[:, None]) * QK_DIM + offs_dk[None, :],
-                           rows, seq_q, offs_dk, QK_DIM, BLOCK_DK, True)
-            do = _load_rows(DO8 + (head_q * seq_q + rows[:, None]) * HEAD_DIM + offs_dv[None, :],
-                            rows, seq_q, offs_dv, HEAD_DIM, BLOCK_DV, True)
-            qt = _load_cols(QT8 + head_q * QK_DIM * seq_q, rows, seq_q, offs_dk, QK_DIM)  # (BLOCK_DK, BLOCK)
-            do_t = _load_cols(DOT8 + head_q * HEAD_DIM * seq_q, rows, seq_q, offs_dv, HEAD_DIM)  # (BLOCK_DV, BLOCK)
-            q_scale = tl.load(QS + head_q * tiles_q + tile_m)
-            do_scale = tl.load(DOS + head_q * tiles_q + tile_m)
-            lse2 = tl.load(LSE + head_q * seq_q + rows, mask=rows < seq_q, other=float("inf"))
-            lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
-            delta = tl.load(DELTA + head_q * seq_q + rows, mask=rows < seq_q, other=0.0)
-            # P^T, (BLOCK keys, BLOCK queries)
-            s_t = tl.dot(k, tl.trans(q)) * (k_scale * q_scale * qk_scale)
-            p_t = tl.exp2(s_t - lse2[None, :])
-            visible = (offs_n[:, None] < seq_k) & (rows[None, :] < seq_q)
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
-            p_t = tl.where(visible, p_t, 0.0)
-            p8_t = _to_e4m3(p_t * 448.0)
-            dv += tl.dot(p8_t, tl.trans(do_t)) * (do_scale / 448.0)
-            dp_t = tl.dot(v, tl.trans(do)) * (v_scale * do_scale)
-            ds8_t, ds_scale = _quantize_tile(p_t * (dp_t - delta[None, :]), False)
-            dk += tl.dot(ds8_t, tl.trans(qt)) * (ds_scale * q_scale)
+        args = (k, v, k_scale, v_scale, Q8 + head_q * seq_q * QK_DIM, QT8 + head_q * stride_qt_h,
+                DO8 + head_q * seq_q * HEAD_DIM, DOT8 + head_q * stride_dot_h, QS + head_q * scale_tiles_q,
+                DOS + head_q * scale_tiles_q, LSE + head_q * seq_q, DELTA + head_q * seq_q)
+        # stage 1: query tiles crossing the diagonal (all of them when the shape is ragged), masked
+        dk, dv, dk_unit = _attention_fp8_bwd_dkdv_inner(
+            dk, dv, dk_unit, inv_dv_unit, *args, lo, mid, offs_m, offs_n, offs_dk, offs_dv, seq_q, seq_k,
+            causal_offset, qk_scale, stride_qt_row, stride_dot_row, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_DV, BLOCK_M,
+            SCALE_M, True, CAUSAL)
+        # stage 2: query tiles that see the whole key tile, no mask
+        dk, dv, dk_unit = _attention_fp8_bwd_dkdv_inner(
+            dk, dv, dk_unit, inv_dv_unit, *args, mid, end, offs_m, offs_n, offs_dk, offs_dv, seq_q, seq_k,
+            causal_offset, qk_scale, stride_qt_row, stride_dot_row, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_DV, BLOCK_M,
+            SCALE_M, False, CAUSAL)
 
     rows_ok = offs_n[:, None] < seq_k
-    tl.store(DK + (head_kv * seq_k + offs_n[:, None]) * QK_DIM + offs_dk[None, :], dk * sm_scale,
+    tl.store(DK + (head_kv * seq_k + offs_n[:, None]) * QK_DIM + offs_dk[None, :], dk * (dk_unit * sm_scale)[:, None],
              mask=rows_ok & (offs_dk[None, :] < QK_DIM))
-    tl.store(DV + (head_kv * seq_k + offs_n[:, None]) * HEAD_DIM + offs_dv[None, :], dv,
+    tl.store(DV + (head_kv * seq_k + offs_n[:, None]) * HEAD_DIM + offs_dv[None, :],
+             (dv * (dv_unit * 0.002232142857142857)).to(DV.dtype.element_ty),  # 1/448
              mask=rows_ok & (offs_dv[None, :] < HEAD_DIM))
 
 
 @triton.jit
+def _attention_fp8_bwd_dq_inner(dq, q, do, q_scale, do_scale, lse2, delta, k_rows, kt_cols, v_rows, k_scales,
+                                v_scales, lo, hi, rows, offs_n, offs_dk, offs_dv, seq_q, seq_k, causal_offset,
+                                qk_scale, stride_kt_row,
+                                QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
+                                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_N: tl.constexpr,
+                                MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Accumulate key tiles [lo, hi) into dQ of the resident query tile; MASKED as in the dK/dV kernel."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_rows(k_rows + cols[:, None] * QK_DIM + offs_dk[None, :], cols, seq_k, offs_dk, QK_DIM, BLOCK_DK,
+                       MASKED)
+        v = _load_rows(v_rows + cols[:, None] * HEAD_DIM + offs_dv[None, :], cols, seq_k, offs_dv, HEAD_DIM,
+                       BLOCK_DV, MASKED)
+        k_t = _load_cols(kt_cols + offs_dk[:, None] * stride_kt_row + cols[None, :], cols, seq_k, offs_dk, QK_DIM,
+                         BLOCK_DK, MASKED)  # (BLOCK_DK, BLOCK_N)
+        k_scale = tl.load(k_scales + start_n // SCALE_N)
+        v_scale = tl.load(v_scales + start_n // SCALE_N)
+        # stage A: P, recomputed from the FP8 scores, (BLOCK_M, BLOCK_N)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * (q_scale * k_scale * qk_scale) - lse2[:, None])
+        if MASKED:  # keys past seq_k and right of the diagonal (rows past seq_q have lse +inf: p = 0)
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
+            p = tl.where(visible, p, 0.0)
+        # stage B: dS, quantised per query row, and dQ
+        dp = tl.dot(do, tl.trans(v)) * (do_scale * v_scale)
+        ds8, ds_scale = _quantize_rows(p * (dp - delta[:, None]))
+        dq += tl.dot(ds8, tl.trans(k_t)) * (ds_scale * k_scale)[:, None]
+    return dq
+
+
+@triton.jit
 def attention_fp8_bwd_dq_kernel(
-    Q8, QT8, QS, K8, KT8, KS, V8, VS, DO8, DOT8, DOS, LSE, DELTA, DQ,
+    Q8, QS, K8, KT8, KS, V8, VS, DO8, DOS, LSE, DELTA, DQ,
+    stride_kt_h, stride_kt_row,
     seq_q, seq_k, qk_scale, sm_scale,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_M: tl.constexpr, SCALE_N: tl.constexpr,
 ):
-    """One program: BLOCK query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK), H_q, B).
-    Tensors as in the dK/dV kernel; DQ (B, H_q, seq_q, QK_DIM) fp32, contiguous."""
+    """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B).
+    Tensors as in the dK/dV kernel; KT8: K8 transposed as QT8 is; DQ (B, H_q, seq_q, QK_DIM) fp32, contiguous."""
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     heads_q = tl.num_programs(1)
-    tiles_q = tl.cdiv(seq_q, BLOCK)
-    tiles_k = tl.cdiv(seq_k, BLOCK)
-    start_m = pid_m * BLOCK
-    rows = start_m + tl.arange(0, BLOCK)
-    offs_n = tl.arange(0, BLOCK)
+    start_m = pid_m * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
 
     head_q = off_b.to(tl.int64) * heads_q + off_h
     head_kv = off_b.to(tl.int64) * (heads_q // GROUP) + off_h // GROUP
     q = _load_rows(Q8 + (head_q * seq_q + rows[:, None]) * QK_DIM + offs_dk[None, :],
-                   rows, seq_q, offs_dk, QK_DIM, BLOCK_DK, True)
+                   rows, seq_q, offs_dk, QK_DIM, BLOCK_DK, not EVEN)
     do = _load_rows(DO8 + (head_q * seq_q + rows[:, None]) * HEAD_DIM + offs_dv[None, :],
-                    rows, seq_q, offs_dv, HEAD_DIM, BLOCK_DV, True)
-    q_scale = tl.load(QS + head_q * tiles_q + pid_m)
-    do_scale = tl.load(DOS + head_q * tiles_q + pid_m)
-    lse2 = tl.load(LSE + head_q * seq_q + rows, mask=rows < seq_q, other=float("inf"))
-    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-    delta = tl.load(DELTA + head_q * seq_q + rows, mask=rows < seq_q, other=0.0)
-    dq = tl.zeros([BLOCK, BLOCK_DK], dtype=tl.float32)
+                    rows, seq_q, offs_dv, HEAD_DIM, BLOCK_DV, not EVEN)
+    scale_tile_m = head_q * tl.cdiv(seq_q, SCALE_M) + start_m // SCALE_M
+    q_scale = tl.load(QS + scale_tile_m)
+    do_scale = tl.load(DOS + scale_tile_m)
+    if EVEN:
+        lse2 = tl.load(LSE + head_q * seq_q + rows)
+        delta = tl.load(DELTA + head_q * seq_q + rows)
+    else:  # rows past seq_q: P = 0
+        lse2 = tl.load(LSE + head_q * seq_q + rows, mask=rows < seq_q, other=float("inf"))
+        delta = tl.load(DELTA + head_q * seq_q + rows, mask=rows < seq_q, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
 
     causal_offset = seq_k - seq_q
-    hi = seq_k
-    if CAUSAL:  # keys seen by the tile's last row
-        hi = tl.maximum(tl.minimum(seq_k, start_m + BLOCK + causal_offset), 0)
-    for start_n in range(0, hi, BLOCK):
-        cols = start_n + offs_n
-        tile_n = start_n // BLOCK
-        k = _load_rows(K8 + (head_kv * seq_k + cols[:, None]) * QK_DIM + offs_dk[None, :],
-                       cols, seq_k, offs_dk, QK_DIM, BLOCK_DK, True)
-        v = _load_rows(V8 + (head_kv * seq_k + cols[:, None]) * HEAD_DIM + offs_dv[None, :],
-                       cols, seq_k, offs_dv, HEAD_DIM, BLOCK_DV, True)
-        kt = _load_cols(KT8 + head_kv * QK_DIM * seq_k, cols, seq_k, offs_dk, QK_DIM)  # (BLOCK_DK, BLOCK)
-        k_scale = tl.load(KS + head_kv * tiles_k + tile_n)
-        v_scale = tl.load(VS + head_kv * tiles_k + tile_n)
-        s = tl.dot(q, tl.trans(k)) * (q_scale * k_scale * qk_scale)
-        p = tl.exp2(s - lse2[:, None])
-        visible = (cols[None, :] < seq_k) & (rows[:, None] < seq_q)
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
-        p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, tl.trans(v)) * (do_scale * v_scale)
-        ds8, ds_scale = _quantize_tile(p * (dp - delta[:, None]), False)
-        dq += tl.dot(ds8, tl.trans(kt)) * (ds_scale * k_scale)
+    if CAUSAL:
+        # keys seen by the tile's last row, and keys seen by its first row (so by every row)
+        hi = tl.maximum(tl.minimum(seq_k, start_m + BLOCK_M + causal_offset), 0)
+        mid = tl.minimum((tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N) * BLOCK_N, hi)
+    else:
+        hi = seq_k
+        mid = seq_k
+    if not EVEN:
+        mid = 0
+    scale_tiles_k = tl.cdiv(seq_k, SCALE_N)
+    args = (q, do, q_scale, do_scale, lse2, delta, K8 + head_kv * seq_k * QK_DIM, KT8 + head_kv * stride_kt_h,
+            V8 + head_kv * seq_k * HEAD_DIM, KS + head_kv * scale_tiles_k, VS + head_kv * scale_tiles_k)
+    # stage 1: key tiles every row sees, no mask
+    dq = _attention_fp8_bwd_dq_inner(dq, *args, 0, mid, rows, offs_n, offs_dk, offs_dv, seq_q, seq_k, causal_offset,
+                                     qk_scale, stride_kt_row, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_DV, BLOCK_N, SCALE_N,
+                                     False, CAUSAL)
+    # stage 2: key tiles crossing the diagonal (all of them when the shape is ragged), masked
+    dq = _attention_fp8_bwd_dq_inner(dq, *args, mid, hi, rows, offs_n, offs_dk, offs_dv, seq_q, seq_k, causal_offset,
+                                     qk_scale, stride_kt_row, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_DV, BLOCK_N, SCALE_N,
+                                     True, CAUSAL)
 
     tl.store(DQ + (head_q * seq_q + rows[:, None]) * QK_DIM + offs_dk[None, :], dq * sm_scale,
              mask=(rows[:, None] < seq_q) & (offs_dk[None, :] < QK_DIM))
@@ -182,8 +316,8 @@ def attention_fp8_bwd_dq_kernel(
 
 @configs.on_input_device
 def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, signs=None, k_mean=None):
-    """Launch the FP8 backward. Returns (dq, dk, dv) in fp32: dq, dk with respect to the scores' Q and K
-    (rotated, (B, H, N, D'), when ``signs`` is given, as in the forward), dv like v.
+    """Launch the FP8 backward. Returns (dq, dk, dv): dq, dk in fp32, with respect to the scores' Q and K
+    (rotated, (B, H, N, D'), when ``signs`` is given, as in the forward); dv like v (its dtype, contiguous).
 
     q, do, out: (B, H_q, N_q, D); k, v: (B, H_kv, N_k, D); lse: (B, H_q, N_q) log2-domain fp32 from the FP8
     forward; dlse: the gradient of the natural-log LSE or None. ``signs`` and ``k_mean``: the forward's
@@ -192,23 +326,38 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
     batch, heads_q, seq_q, head_dim = do.shape
     heads_kv, seq_k = v.shape[1], v.shape[2]
     qk_dim = head_dim if signs is None else signs.numel()
-    dq = torch.zeros((batch, heads_q, seq_q, qk_dim), device=do.device, dtype=torch.float32)
-    dk = torch.zeros((batch, heads_kv, seq_k, qk_dim), device=do.device, dtype=torch.float32)
-    dv = torch.zeros((batch, heads_kv, seq_k, head_dim), device=do.device, dtype=torch.float32)
+    dq = torch.empty((batch, heads_q, seq_q, qk_dim), device=do.device, dtype=torch.float32)
+    dk = torch.empty((batch, heads_kv, seq_k, qk_dim), device=do.device, dtype=torch.float32)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     if dq.numel() == 0 or dk.numel() == 0:
-        return dq, dk, dv
-    cfg = configs.fp8_bwd_config(max(seq_q, seq_k))
-    block = cfg["BLOCK"]
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    tiles = configs.fp8_bwd_tiles(max(seq_q, seq_k), qk_dim)
+    scale_m, scale_n = tiles["SCALE_M"], tiles["SCALE_N"]
     lse = lse.contiguous()
     delta = backward_delta(out, do, dlse, lse)
-    q8, q_scales, k8, k_scales = quantize_scores_operands(q, k, block, block, signs, k_mean)
-    v8, v_scales = fp8_quantize(v, block)
-    do8, do_scales = fp8_quantize(do, block)
-    meta = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
-                BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal, **cfg)
-    q8_t, k8_t, do8_t = (x.transpose(2, 3).contiguous() for x in (q8, k8, do8))  # (B, H, dim, seq)
-    tensors = (q8, q8_t, q_scales, k8, k8_t, k_scales, v8, v_scales, do8, do8_t, do_scales, lse, delta)
+    # Q's and dO's scales set the units of dK and dV: an all-zero tile reports 0, not 1. The transposed copies
+    # come from a second quantisation into that layout (same bits): one kernel storing both layouts wrote wrong
+    # bytes into one of them for float32 inputs on the H200 (triton 3.6; benchmarks/NOTES.md).
+    q8, q_scales = fp8_quantize(q, scale_m, signs=signs, empty_tile_scale=0.0)
+    q8_t = fp8_quantize(q, scale_m, signs=signs, transposed=True)[0]
+    k8, k_scales = fp8_quantize(k, scale_n, mean=k_mean, signs=signs)
+    k8_t = fp8_quantize(k, scale_n, mean=k_mean, signs=signs, transposed=True)[0]
+    v8, v_scales = fp8_quantize(v, scale_n)
+    do8, do_scales = fp8_quantize(do, scale_m, empty_tile_scale=0.0)
+    do8_t = fp8_quantize(do, scale_m, transposed=True)[0]
+    dv_unit = do_scales.view(batch * heads_kv, -1).amax(dim=1)  # (B * H_kv,): each group's dO scales, contiguous
+    common = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
+                  BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal,
+                  SCALE_M=scale_m, SCALE_N=scale_n)
     scalars = (seq_q, seq_k, scale * LOG2E, scale)
-    attention_fp8_bwd_dkdv_kernel[(configs.cdiv(seq_k, block), heads_kv, batch)](*tensors, dk, dv, *scalars, **meta)
-    attention_fp8_bwd_dq_kernel[(configs.cdiv(seq_q, block), heads_q, batch)](*tensors, dq, *scalars, **meta)
+    dkdv = tiles["dkdv"]
+    attention_fp8_bwd_dkdv_kernel[(configs.cdiv(seq_k, dkdv["BLOCK_N"]), heads_kv, batch)](
+        q8, q8_t, q_scales, k8, k_scales, v8, v_scales, do8, do8_t, do_scales, dv_unit, lse, delta, dk, dv,
+        q8_t.stride(1), q8_t.stride(2), do8_t.stride(1), do8_t.stride(2), *scalars,
+        EVEN=seq_q % dkdv["BLOCK_M"] == 0 and seq_k % dkdv["BLOCK_N"] == 0, **common, **dkdv)
+    dq_cfg = tiles["dq"]
+    attention_fp8_bwd_dq_kernel[(configs.cdiv(seq_q, dq_cfg["BLOCK_M"]), heads_q, batch)](
+        q8, q_scales, k8, k8_t, k_scales, v8, v_scales, do8, do_scales, lse, delta, dq,
+        k8_t.stride(1), k8_t.stride(2), *scalars,
+        EVEN=seq_q % dq_cfg["BLOCK_M"] == 0 and seq_k % dq_cfg["BLOCK_N"] == 0, **common, **dq_cfg)
     return dq, dk, dv

@@ -124,21 +124,35 @@ def fp8_config(seq_len: int, head_dim: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
-# FP8 backward (BLOCK, num_warps, num_stages): one square tile for every quantised tensor (Q, K, V, dO share
-# their scales' tiling).
-FP8_BWD = (64, 4, 2)
-INTERPRET_FP8_BWD = (16, 4, 1)
-INTERPRET_LONG_FP8_BWD = (64, 4, 1)
+# FP8 backward. Q and dO are quantised in tiles of SCALE_M rows, K and V in tiles of SCALE_N rows; each kernel's
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) divides them, so a tile the kernels load has one scale.
+FP8_BWD_SCALE_TILES = (128, 128)
+# Fixed, the fastest of a sweep of each kernel alone on the H200 (benchmarks/NOTES.md, thirteenth session): at
+# head_dim 128 (64, 128, 8, 3) led dK/dV at 4k and 16k, causal or not; (64, 64, 4, 3) was within 2-5% of the best
+# dQ tile at each point.
+FP8_BWD_DKDV = {64: (64, 64, 4, 2), 128: (64, 128, 8, 3), 256: (64, 64, 8, 2)}
+FP8_BWD_DQ = {64: (64, 64, 4, 2), 128: (64, 64, 4, 3), 256: (64, 64, 8, 2)}
+# The interpreter: tiles of 16 / 32 rows under scale tiles of 32, so the CPU tests cross several tiles per scale
+# and several scales; from 256 tokens the GPU's tiles (fewer, larger programs: faster there).
+INTERPRET_FP8_BWD = ((32, 32), (16, 32, 4, 1), (32, 16, 4, 1))
+INTERPRET_LONG_FP8_BWD = ((128, 128), (64, 128, 4, 1), (128, 64, 4, 1))
 
 
-def fp8_bwd_config(seq_len: int) -> dict:
-    """Launch parameters of the FP8 backward kernels: BLOCK (rows of Q, K, V and dO per scale), warps and
-    stages; ``seq_len`` as in fp8_config."""
+def fp8_bwd_tiles(seq_len: int, qk_dim: int) -> dict:
+    """The FP8 backward's tiling for Q/K rows of ``qk_dim`` (after the rotation's padding): SCALE_M, SCALE_N (rows
+    per scale of Q and dO, of K and V) and the launch parameters of its two kernels, "dkdv" and "dq" (dicts of
+    BLOCK_M, BLOCK_N, num_warps, num_stages); ``seq_len`` as in fp8_config."""
     if INTERPRET:
-        block, warps, stages = INTERPRET_LONG_FP8_BWD if seq_len >= INTERPRET_LONG_SEQ else INTERPRET_FP8_BWD
+        scales, dkdv, dq = INTERPRET_LONG_FP8_BWD if seq_len >= INTERPRET_LONG_SEQ else INTERPRET_FP8_BWD
     else:
-        block, warps, stages = FP8_BWD
-    return dict(BLOCK=block, num_warps=warps, num_stages=stages)
+        width = max(64, block_d(qk_dim))
+        scales, dkdv, dq = FP8_BWD_SCALE_TILES, FP8_BWD_DKDV[width], FP8_BWD_DQ[width]
+
+    def launch(cfg):
+        block_m, block_n, warps, stages = cfg
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+    return dict(SCALE_M=scales[0], SCALE_N=scales[1], dkdv=launch(dkdv), dq=launch(dq))
 
 
 def _configs(candidates):

@@ -86,13 +86,6 @@ def _quantize_with_scale(x, scale):
 
 
 @triton.jit
-def _quantize_tile(x, POW2_SCALE: tl.constexpr):
-    """(x8, scale): the fp32 tile x in e4m3 with one scale (``_tile_scale``)."""
-    scale = _tile_scale(tl.max(tl.max(tl.abs(x), 1), 0), POW2_SCALE)
-    return _quantize_with_scale(x, scale), scale
-
-
-@triton.jit
 def _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CENTRE: tl.constexpr):
     """(rows, BLOCK_D) fp32: rows of X, centred if CENTRE with the rounding of ``flashtrain.fp8._centred``
@@ -150,6 +143,7 @@ def fp8_quantize_kernel(
     seq, norm, norm_lo,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ZERO_SCALE_IF_EMPTY: tl.constexpr,
 ):
     """One program: one tile of BLOCK_N rows of one (batch, head). Grid (cdiv(seq, BLOCK_N), H, B).
 
@@ -159,7 +153,8 @@ def fp8_quantize_kernel(
     ROTATE: then the Hadamard rotation (``hadamard``'s forward: SIGNS (BLOCK_D,), (norm, norm_lo)
     1/sqrt(BLOCK_D) split), applied by METHOD with the +-1 matrix at H (``_rotated_rows``). A tile of more than
     CHUNK rows is read twice, chunk by chunk, once for its amax and once to quantise (the second read mostly
-    from L2), so that registers hold CHUNK rows and not the whole tile.
+    from L2), so that registers hold CHUNK rows and not the whole tile. ZERO_SCALE_IF_EMPTY: an all-zero tile's
+    scale is stored as 0 instead of 1.
     """
     pid_n = tl.program_id(0)
     off_h = tl.program_id(1)
@@ -173,7 +168,9 @@ def fp8_quantize_kernel(
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         x = _quant_rows(X, MEAN, SIGNS, H, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                         norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
-        q, scale = _quantize_tile(x, True)
+        amax = tl.max(tl.max(tl.abs(x), 1), 0)
+        scale = _tile_scale(amax, True)
+        q = _quantize_with_scale(x, scale)
         tl.store(q_base + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd, q,
                  mask=(rows[:, None] < seq) & (offs_d[None, :] < OUT_DIM))
     else:
@@ -190,6 +187,8 @@ def fp8_quantize_kernel(
                             norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
             tl.store(q_base + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd, _quantize_with_scale(x, scale),
                      mask=(rows[:, None] < seq) & (offs_d[None, :] < OUT_DIM))
+    if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
+        scale = tl.where(amax > 0.0, scale, 0.0)
     tl.store(S + head * tl.num_programs(0) + pid_n, scale)
 
 
@@ -222,7 +221,7 @@ def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
 
 @configs.on_input_device
 def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None,
-                 signs: torch.Tensor | None = None, transposed: bool = False):
+                 signs: torch.Tensor | None = None, transposed: bool = False, empty_tile_scale: float = 1.0):
     """Quantise x (B, H, N, D) to e4m3 with one fp32 scale per tile of ``block_n`` rows.
 
     Returns (q, scales): q (B, H, N, D) float8_e4m3fn, contiguous; scales (B, H, cdiv(N, block_n)) float32,
@@ -232,7 +231,11 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     ``fp8_quantize(hadamard(x, signs, mean=mean), block_n)`` (the rotation's sums in another order: the same
     bits wherever fp32 holds them exactly). ``transposed``: q is returned as (B, H, D, N), N contiguous, its
     row stride padded to a multiple of 16 bytes (the layout TMA loads; a view of the first N columns).
+    ``empty_tile_scale``: the scale reported for an all-zero tile, 1.0 (default: dividing by it is safe) or 0.0
+    (the FP8 backward's running units must not take an empty tile's scale as a magnitude).
     """
+    if empty_tile_scale not in (0.0, 1.0):
+        raise ValueError(f"fp8_quantize: empty_tile_scale={empty_tile_scale!r}; expected 1.0 or 0.0")
     if x.dim() != 4:
         raise ValueError(f"fp8_quantize: x must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
     if block_n < 16 or block_n & (block_n - 1):
@@ -264,9 +267,10 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         fp8_quantize_kernel[(configs.cdiv(seq, block_n), heads, batch)](
             x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
             hadamard_matrix(block_d, x.dtype, x.device) if method == "matmul" else x, q, scales, *x.stride(),
-            *q.stride(), seq, *split_scale(1.0 / math.sqrt(block_d)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_N=block_n, CHUNK=quant_chunk(block_n, block_d, rotate), CENTRE=mean is not None, ROTATE=rotate,
-            METHOD=method, DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32")
+            *q.stride(), seq, *split_scale(1.0 / math.sqrt(block_d)), HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=quant_chunk(block_n, block_d, rotate), CENTRE=mean is not None,
+            ROTATE=rotate, METHOD=method, DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32",
+            ZERO_SCALE_IF_EMPTY=empty_tile_scale == 0.0)
     return (q.transpose(2, 3) if transposed else q), scales
 
 

@@ -100,11 +100,13 @@ def padded_dim(head_dim: int) -> int:
 
 @configs.on_input_device
 def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_dim: int | None = None,
-             mean: torch.Tensor | None = None):
+             mean: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """Forward: (..., d) -> (..., d'), y = (x * signs) @ H / sqrt(d'). Inverse: (..., d') -> (..., out_dim),
     x = (y @ H / sqrt(d') * signs)[..., :out_dim]. ``signs``: (d',) of +-1; d' = padded_dim(d) <= 256.
     ``mean`` (forward only; x (B, H, N, d), mean (B, H, d) float32): x - mean first, rounded to x's dtype
-    (K smoothing, fused here; the bits of ``flashtrain.fp8._centred`` followed by the transform)."""
+    (K smoothing, fused here; the bits of ``flashtrain.fp8._centred`` followed by the transform).
+    ``out_dtype``: the output's dtype (default x's), rounded once from the fp32 (fp64) sums: the bits of the
+    transform in x's dtype followed by ``.to(out_dtype)`` when x is float32."""
     d_in = x.shape[-1]
     d = signs.numel()
     expected = d_in if inverse else padded_dim(d_in)
@@ -119,7 +121,7 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_di
         check_mean("hadamard", mean, (x.shape[0], x.shape[1], d_in))
     d_out = d if not inverse else (out_dim or d)
     rows = x.reshape(-1, d_in).contiguous()
-    y = torch.empty((rows.shape[0], d_out), device=x.device, dtype=x.dtype)
+    y = torch.empty((rows.shape[0], d_out), device=x.device, dtype=out_dtype or x.dtype)
     block_r = 16
     if rows.shape[0]:
         hadamard_kernel[(configs.cdiv(rows.shape[0], block_r),)](

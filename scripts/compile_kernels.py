@@ -138,7 +138,6 @@ def attention_jobs(dtype="bf16", quick=False, target_arch=90):
 def fp8_jobs(dtype="bf16", target_arch=90):
     """As attention_jobs for the FP8 path; ``target_arch`` 90 adds the FP8 Hopper forward."""
     fp8 = "*fp8e4nv"
-    bwd = configs.fp8_bwd_config(1 << 20)
     if target_arch == 90:  # sm_90 only (wgmma, setmaxnreg)
         from flashtrain.kernels.attention_fp8_fwd_hopper import attention_fp8_fwd_hopper_kernel
     for head_dim in (64, 128, 256):
@@ -155,23 +154,29 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                        dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, KV_TILE=fwd["BLOCK_N"], CAUSAL=causal,
                             **configs.fp8_hopper_fwd_meta(head_dim, causal)), 4, 2)
             bwd_ptr = {"Q8": fp8, "QT8": fp8, "K8": fp8, "KT8": fp8, "V8": fp8, "DO8": fp8, "DOT8": fp8,
-                       "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "DOS": "*fp32", "LSE": "*fp32", "DELTA": "*fp32",
-                       "DK": "*fp32", "DV": "*fp32", "DQ": "*fp32"}
-            meta = dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
-                        CAUSAL=causal, BLOCK=bwd["BLOCK"])
+                       "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "DOS": "*fp32", "DV_UNIT": "*fp32", "LSE": "*fp32",
+                       "DELTA": "*fp32",
+                       "DK": "*fp32", "DV": f"*{dtype}", "DQ": "*fp32"}
+            bwd = configs.fp8_bwd_tiles(1 << 20, head_dim)
             for name, kernel in (("dkdv", attention_fp8_bwd_dkdv_kernel), ("dq", attention_fp8_bwd_dq_kernel)):
-                yield (f"fp8 {name} D={head_dim} causal={causal}", kernel, bwd_ptr, meta, bwd["num_warps"],
-                       bwd["num_stages"])
+                launch = bwd[name]
+                for even in (True, False):  # the unmasked stage and ragged shapes (every tile masked)
+                    meta = dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
+                                CAUSAL=causal, EVEN=even, SCALE_M=bwd["SCALE_M"],
+                                SCALE_N=bwd["SCALE_N"], BLOCK_M=launch["BLOCK_M"], BLOCK_N=launch["BLOCK_N"])
+                    yield (f"fp8 {name} D={head_dim} causal={causal} even={even}", kernel, bwd_ptr, meta,
+                           launch["num_warps"], launch["num_stages"])
         quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "SIGNS": "*fp32", "H": f"*{dtype}", "Q": fp8, "S": "*fp32"}
-        # V, dO / K with smoothing / Q / K rotated and smoothed; (128, 256) tiles in chunks
+        # V, dO / K with smoothing / Q / K rotated and smoothed (each also with empty tiles' scale 0, as the
+        # backward's Q and dO); (128, 256) tiles in chunks
         rotations = (False, True) if head_dim <= fp8_quant.FUSED_ROTATION_MAX_DIM else (False, )
-        for rotate, centre in itertools.product(rotations, (False, True)):
-            yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}{' rotated' if rotate else ''}",
-                   fp8_quantize_kernel, quant_ptr,
+        for rotate, centre, zero in itertools.product(rotations, (False, True), (False, True)):
+            yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}{' rotated' if rotate else ''}"
+                   f"{' zero-scale' if zero else ''}", fp8_quantize_kernel, quant_ptr,
                    dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
                         CHUNK=fp8_quant.quant_chunk(128, head_dim, rotate), CENTRE=centre, ROTATE=rotate,
-                        METHOD=fp8_quant.rotate_method(head_dim) if rotate else "butterfly", DOT_PRECISION="tf32"),
-                   4, 2)
+                        METHOD=fp8_quant.rotate_method(head_dim) if rotate else "butterfly", DOT_PRECISION="tf32",
+                        ZERO_SCALE_IF_EMPTY=zero), 4, 2)
         yield (f"hadamard D={head_dim}", hadamard_kernel,
                {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
                dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)

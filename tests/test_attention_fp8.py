@@ -16,6 +16,9 @@ from flashtrain.testing import outlier_data, rel_error
 # (batch, heads_q, heads_kv, seq_q, seq_k, head_dim): odd lengths, head dims that are not powers of two
 # (the rotation pads Q and K to 64), GQA, seq_q != seq_k both ways
 SHAPES = [(1, 2, 1, 37, 45, 40), (2, 2, 2, 17, 17, 24), (1, 2, 2, 129, 37, 64), (1, 1, 1, 1, 1, 16)]
+# the backward's kernels also take unmasked paths where the lengths are multiples of their tiles (32 in the
+# interpreter): seq_q < seq_k and seq_q > seq_k
+EVEN_SHAPES = [(1, 2, 1, 64, 96, 40), (1, 2, 2, 96, 64, 32)]
 
 
 def make(shape, device, dtype=torch.float16, requires_grad=False, seed=0):
@@ -147,7 +150,7 @@ def test_forward_mode_saves_the_fp8_q_and_k(mode, saved_fp8, device):
 @pytest.mark.usefixtures("poison_allocations")
 @SCHEMES
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + EVEN_SHAPES, ids=str)
 def test_full_backward(shape, causal, hadamard, smooth_k, device):
     """fp8="full": gradients equal the float64 simulation of the same FP8 backward (given the kernel forward's
     output and LSE) up to fp32 accumulation order and the fp16 rounding of the result (2e-3 in the
@@ -162,15 +165,43 @@ def test_full_backward(shape, causal, hadamard, smooth_k, device):
     out, lse = flash_attention(q, k, v, causal=causal, fp8="full", hadamard=hadamard, smooth_k=smooth_k,
                                return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    block = configs.fp8_bwd_config(max(q.shape[2], k.shape[2]))["BLOCK"]
     signs = _rotation_signs(q.shape[-1], q.device) if hadamard else None
-    sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, causal=causal, block=block, signs=signs, smooth_k=smooth_k)
+    tiles = configs.fp8_bwd_tiles(max(q.shape[2], k.shape[2]), q.shape[-1] if signs is None else signs.numel())
+    sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=tiles, causal=causal, signs=signs, smooth_k=smooth_k)
     ref = attention_ref(q, k, v, causal=causal)[0]
     exact = torch.autograd.grad(ref, (q, k, v), dout)
     for name, g, s, e in zip(("dq", "dk", "dv"), grads, sim, exact):
         assert g.dtype == q.dtype and g.shape == e.shape and torch.isfinite(g).all(), name
         assert rel_error(g, s) < (2e-2 if device == "cuda" else 2e-3), (name, rel_error(g, s))
         assert rel_error(g, e) < 0.1, (name, rel_error(g, e))
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_full_backward_with_empty_and_scaled_tiles(causal, device):
+    """The dK/dV kernel keeps dK and dV in running units of the tiles' scales: an all-zero dO or Q tile (scale 0)
+    must not become the unit (with scale 1, as the forward's quantisation reports it, dV of these small gradients
+    would round to zero), and a tile 1000x smaller than the others stays finite and exact where zero. Gradients
+    against the float64 simulation and exact attention as in test_full_backward; float32 inputs, so that the
+    small gradients are not lost to fp16's subnormals."""
+    shape = (1, 2, 1, 96, 128, 40)
+    q, k, v = make(shape, device, dtype=torch.float32)
+    dout = make(shape, device, dtype=torch.float32, seed=1)[0] * 1e-3  # small gradients: tile scales well below 1
+    q[:, :, 32:64] = 0.0  # the interpreter's scale tiles are 32 rows
+    dout[:, :, :32] = 0.0
+    dout[:, :, 64:] *= 1e-3
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = flash_attention(q, k, v, causal=causal, fp8="full", return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    signs = _rotation_signs(q.shape[-1], q.device)
+    tiles = configs.fp8_bwd_tiles(max(q.shape[2], k.shape[2]), signs.numel())
+    sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=tiles, causal=causal, signs=signs, smooth_k=True)
+    exact = torch.autograd.grad(attention_ref(q, k, v, causal=causal)[0], (q, k, v), dout)
+    for name, g, s, e in zip(("dq", "dk", "dv"), grads, sim, exact):
+        assert torch.isfinite(g).all(), name
+        assert rel_error(g, s) < (2e-2 if device == "cuda" else 2e-3), (name, rel_error(g, s))
+        assert rel_error(g, e) < 0.1, (name, rel_error(g, e))
+    assert torch.equal(grads[0][:, :, :32], torch.zeros_like(grads[0][:, :, :32]))  # dO = 0 there: dS = 0
 
 
 def test_zero_inputs_and_rows_that_see_no_key(device):

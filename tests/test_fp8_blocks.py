@@ -34,6 +34,10 @@ def test_quantize_zero_tiles_and_tails(device):
     assert torch.equal(scales[0, 0], torch.tensor([1.0, 1.0, 7.0 / 448], device=device))
     assert torch.isfinite(q.float()).all() and q.float()[0, 0, :32].abs().sum() == 0
     assert q.float()[0, 0, 35, 3] * scales[0, 0, 2] == 7.0
+    # the FP8 backward's Q and dO: empty tiles report scale 0, the bytes and other scales unchanged
+    q0, scales0 = fp8_quantize(x, 16, empty_tile_scale=0.0)
+    assert torch.equal(scales0[0, 0], torch.tensor([0.0, 0.0, 7.0 / 448], device=device))
+    assert torch.equal(q0.view(torch.uint8), q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("chunk_elements", [16384, 512], ids=["whole_tiles", "chunked_tiles"])
@@ -100,6 +104,8 @@ def test_quantize_bad_input():
     x = torch.randn(1, 2, 4, 24)
     with pytest.raises(ValueError, match=r"fp8_quantize: mean must be float32 of shape \(1, 2, 24\)"):
         fp8_quantize(x, 16, mean=torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match=r"fp8_quantize: empty_tile_scale=0.5; expected 1.0 or 0.0"):
+        fp8_quantize(x, 16, empty_tile_scale=0.5)
     with pytest.raises(ValueError, match=r"fp8_quantize: signs has shape \(24,\); expected \(32,\)"):
         fp8_quantize(x, 16, signs=torch.ones(24))
     with pytest.raises(ValueError, match=r"hadamard: mean must be float32 of shape \(1, 2, 24\)"):
@@ -117,6 +123,9 @@ def test_hadamard_matches_reference_and_is_orthogonal(head_dim, device):
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=1e-12)  # orthogonal
     back = hadamard(y, signs, inverse=True, out_dim=head_dim)
     torch.testing.assert_close(back, x, rtol=1e-12, atol=1e-12)  # inverse
+    y32 = y.float()  # out_dtype: one rounding of the fp32 sums, the bits of the fp32 result cast
+    assert torch.equal(hadamard(y32, signs, inverse=True, out_dim=head_dim, out_dtype=torch.float16),
+                       hadamard(y32, signs, inverse=True, out_dim=head_dim).half())
 
 
 def test_hadamard_keeps_scores_and_spreads_outliers(device):
