@@ -123,6 +123,25 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
     return dk, dv
 
 
+@triton.jit
+def _dkdv_query_range(start_n, seq_q, causal_offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """(lo, mid, end): the query blocks a dK/dV program with keys [start_n, start_n + BLOCK_N) visits, in
+    multiples of BLOCK_M. Causal: [lo, mid) cross the diagonal (masked), [mid, end) see every key of the block,
+    and blocks before lo see none; otherwise lo = mid = 0. causal_offset = seq_k - seq_q."""
+    end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # first query row that sees key start_n: i >= start_n - causal_offset
+        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
+        # first row that sees every key of the block: i >= start_n + BLOCK_N - 1 - causal_offset
+        first_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
+        mid = tl.minimum(tl.maximum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, lo), end)
+    else:
+        lo = 0
+        mid = 0
+    return lo, mid, end
+
+
 @triton.jit(do_not_specialize=["seed"])
 def attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, KB,
@@ -169,16 +188,7 @@ def attention_bwd_dkdv_kernel(
         bias_n = _key_bias(KB + off_b.to(tl.int64) * stride_kbb, offs_n, seq_k)
 
     causal_offset = seq_k - seq_q
-    end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        # first query row that sees key start_n: i >= start_n - causal_offset
-        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
-        # first row that sees every key of the block: i >= start_n + BLOCK_N - 1 - causal_offset
-        first_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
-        mid = tl.minimum(tl.maximum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, lo), end)
-    else:
-        lo = 0
-        mid = 0
+    lo, mid, end = _dkdv_query_range(start_n, seq_q, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
 
     for g in range(GROUP):  # the query heads sharing this KV head: GQA sum in registers
         off_h = off_hk * GROUP + g

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_bwd import backward_delta
+from .attention_bwd import _dkdv_query_range, backward_delta
 from .attention_fwd import LOG2E, _load_rows
 from .fp8_quant import SOFTWARE_ROUNDING, _pow2_at_least, _to_e4m3, fp8_quantize
 
@@ -181,16 +181,7 @@ def attention_fp8_bwd_dkdv_kernel(
     inv_dv_unit = 1.0 / tl.where(dv_unit > 0.0, dv_unit, 1.0)  # 0: dO is all zeros, and so is dV
 
     causal_offset = seq_k - seq_q
-    end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        # first query row that sees key start_n: i >= start_n - causal_offset
-        lo = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
-        # first row that sees every key of the tile: i >= start_n + BLOCK_N - 1 - causal_offset
-        first_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
-        mid = tl.minimum(tl.maximum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, lo), end)
-    else:
-        lo = 0
-        mid = 0
+    lo, mid, end = _dkdv_query_range(start_n, seq_q, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
     if not EVEN:
         mid = end
     for g in range(GROUP):  # the query heads sharing this KV head: GQA sum in registers
