@@ -158,6 +158,13 @@ def _empty_tiles_zero(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.where(amax > 0, scales, torch.zeros_like(scales)).repeat_interleave(block, -1)
 
 
+def _round_in_units(x: torch.Tensor, to_unit: torch.Tensor) -> torch.Tensor:
+    """x * to_unit rounded to e4m3 (as a kernel quantises in its accumulator's units), then divided back;
+    float64, 0 where to_unit is 0."""
+    rounded = _e4m3_round_trip(x * to_unit, torch.ones((), dtype=torch.float64))
+    return torch.where(to_unit > 0, rounded / to_unit, torch.zeros_like(rounded))
+
+
 def _group_unit_p(p: torch.Tensor, do_scales: torch.Tensor, group: int) -> torch.Tensor:
     """P (B, H_q, M, N) as the dK/dV kernel rounds it for dV, dequantised, float64: P8 = round_e4m3(448 P *
     do_scale / unit), unit the largest dO tile scale of the GQA group (dV accumulates in units of unit / 448).
@@ -165,9 +172,7 @@ def _group_unit_p(p: torch.Tensor, do_scales: torch.Tensor, group: int) -> torch
     heads_q, m = p.shape[1], p.shape[2]
     unit = do_scales.unflatten(1, (heads_q // group, group)).amax(dim=(2, 3), keepdim=True)  # (B, H_kv, 1, 1)
     unit = unit.repeat_interleave(group, 1)  # (B, H_q, 1, 1)
-    to_unit = torch.where(unit > 0, 448.0 * do_scales[..., :m, None] / unit, torch.zeros_like(p))
-    rounded = _e4m3_round_trip(p * to_unit, torch.ones((), dtype=torch.float64))
-    return torch.where(to_unit > 0, rounded / to_unit, torch.zeros_like(rounded))
+    return _round_in_units(p, torch.where(unit > 0, 448.0 * do_scales[..., :m, None] / unit, torch.zeros_like(p)))
 
 
 def _running_unit_quantize(ds: torch.Tensor, q_scales: torch.Tensor, group: int, block_m: int) -> torch.Tensor:
@@ -183,9 +188,7 @@ def _running_unit_quantize(ds: torch.Tensor, q_scales: torch.Tensor, group: int,
     # the running max in the kernel's order: the group's heads one after another, each over its tiles
     unit = c.unflatten(1, (heads_q // group, group)).flatten(2, 3).cummax(dim=2).values
     unit = unit.unflatten(2, (group, tiles)).flatten(1, 2)
-    to_unit = torch.where(unit > 0, q_scale / unit, torch.zeros_like(unit))
-    rounded = _e4m3_round_trip(padded * to_unit, torch.ones((), dtype=torch.float64))
-    rounded = torch.where(to_unit > 0, rounded / to_unit, torch.zeros_like(rounded))
+    rounded = _round_in_units(padded, torch.where(unit > 0, q_scale / unit, torch.zeros_like(unit)))
     return rounded.flatten(2, 3)[:, :, :m]
 
 

@@ -40,7 +40,7 @@ import triton.language as tl
 from . import configs
 from .attention_bwd import _dkdv_query_range, backward_delta
 from .attention_fwd import LOG2E, _load_rows
-from .fp8_quant import SOFTWARE_ROUNDING, _pow2_at_least, _to_e4m3, fp8_quantize
+from .fp8_quant import SOFTWARE_ROUNDING, _pow2_at_least, _tile_scale, _to_e4m3, fp8_quantize
 
 
 @triton.jit
@@ -74,8 +74,7 @@ def _row_scales(x):
 def _quantize_rows(x):
     """(x8, scale): the fp32 tile x in e4m3 with one power-of-two scale per row ((rows,) fp32; 1 for an all-zero
     row). The scale being a power of two, x * (1 / scale) is x / scale exactly."""
-    scale = _row_scales(x)
-    scale = tl.where(scale > 0.0, scale, 1.0)
+    scale = _tile_scale(tl.max(tl.abs(x), 1), True)
     return _to_e4m3_sat(x * (1.0 / scale)[:, None]), scale
 
 

@@ -33,7 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .attention_fwd import LOG2E
-from .attention_fwd_hopper import WG_ROWS, _kv_loader, _pass_turn, _wait_turn, ensure_scratch_allocator
+from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _pass_turn, _start_q_load, _unmasked_blocks,
+                                   _wait_turn, ensure_scratch_allocator)
 from .configs import cdiv, fp8_hopper_fwd_meta
 
 LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
@@ -109,22 +110,13 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [WG_ROWS, QK_DIM], q_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
-
-    # key blocks [0, n_free) need no mask (as in attention_fwd_hopper)
-    n_free = seq_k // BLOCK_N
-    if CAUSAL:
-        n_free = gl.minimum((start_m + causal_offset + 1) // BLOCK_N, n_free)
+    q_smem, q_bar = _start_q_load(q_desc, start_m, QK_DIM)
+    n_free = _unmasked_blocks(start_m, seq_k, causal_offset, BLOCK_N, CAUSAL)
     rows = start_m + gl.arange(0, WG_ROWS, layout=row_s)
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s)
-    mbarrier.wait(q_bar, 0)
-    mbarrier.invalidate(q_bar)
+    _finish_q_load(q_bar)
 
     # block 0: scores and softmax only; its P V product is issued with block 1's scores
     c = q_scale * gl.load(KS + kv_tile0) * qk_scale

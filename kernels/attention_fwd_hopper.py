@@ -93,6 +93,35 @@ def _pass_turn(j, n_blocks, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG:
 
 
 @gluon.jit
+def _start_q_load(q_desc, start_m, WIDTH: gl.constexpr):
+    """Issue the TMA load of a softmax warpgroup's Q tile, rows [start_m, start_m + WG_ROWS) of width WIDTH, into
+    shared memory; returns (q_smem, q_bar) for ``_finish_q_load``."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WG_ROWS, WIDTH], q_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
+    return q_smem, q_bar
+
+
+@gluon.jit
+def _finish_q_load(q_bar):
+    """Wait for ``_start_q_load``'s tile and retire its barrier."""
+    mbarrier.wait(q_bar, 0)
+    mbarrier.invalidate(q_bar)
+
+
+@gluon.jit
+def _unmasked_blocks(start_m, seq_k, causal_offset, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key blocks [0, n) need no mask for a warpgroup whose first row is start_m: the last key of block j,
+    (j + 1) * BLOCK_N - 1, is < seq_k and (causal) <= start_m + causal_offset."""
+    n_free = seq_k // BLOCK_N
+    if CAUSAL:
+        n_free = gl.minimum((start_m + causal_offset + 1) // BLOCK_N, n_free)
+    return n_free
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
                   CAUSAL: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr,
                   BLOCK_N: gl.constexpr):
@@ -157,24 +186,14 @@ def _softmax_warpgroup(q_desc, k_smem, v_smem, ready, empty, O, LSE, lse_row0, s
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [WG_ROWS, HEAD_DIM], q_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
-
-    # key blocks [0, n_free) need no mask: the last key of block j, (j + 1) * BLOCK_N - 1, is < seq_k and
-    # (causal) <= the warpgroup's first row + causal_offset
-    n_free = seq_k // BLOCK_N
-    if CAUSAL:
-        n_free = gl.minimum((start_m + causal_offset + 1) // BLOCK_N, n_free)
+    q_smem, q_bar = _start_q_load(q_desc, start_m, HEAD_DIM)
+    n_free = _unmasked_blocks(start_m, seq_k, causal_offset, BLOCK_N, CAUSAL)
     rows = start_m + gl.arange(0, WG_ROWS, layout=row_s)
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s)
-    mbarrier.wait(q_bar, 0)
-    mbarrier.invalidate(q_bar)
+    _finish_q_load(q_bar)
 
     # block 0: scores and softmax only; its P V product is issued with block 1's scores
     mbarrier.wait(ready.index(0), 0)
