@@ -41,11 +41,13 @@ Numerics:
   accumulates in fp32 and is scaled once by q_scale * k_scale * softmax_scale * log2(e). The online softmax
   runs in fp32. P = exp2(S - running max), in [0, 1], is rounded to e4m3 with the fixed scale 448 (1 -> 448)
   for P8 V8, whose fp32 product is scaled by v_scale / 448; the row sum is of the unrounded P. Output = acc /
-  rowsum, cast to the input dtype; the LSE (fp32) is saved. On sm_90 at head_dim 256 the warp-specialised
-  kernel (``flashtrain.kernels.attention_fp8_fwd_hopper``) runs instead: the same P, LSE and scales, with P8 V8
+  rowsum, cast to the input dtype; the LSE (fp32) is saved. On sm_90 at head_dim 128 and 256 (where measured
+  faster, ``configs.FP8_HOPPER_FWD_MIN_SEQ``) the warp-specialised kernel
+  (``flashtrain.kernels.attention_fp8_fwd_hopper``) runs instead: the same P, LSE and scales, with P8 V8
   summed into the output accumulator by the tensor core (kept in units of the current V tile's scale; the
   ratios are powers of two), which rounds the sum differently (outputs within 4e-3 of the other kernel's in
-  bf16 units on the H200; the LSE bit-identical).
+  bf16 units on the H200; the LSE bit-identical). Its V^T has the keys of each group of 32 in another order
+  (the sum over keys is unchanged; see that module).
 * ``fp8="forward"``: the backward runs the 16-bit kernels on the scores the forward computed: the forward
   saves its FP8 (rotated) Q and K with their scales, and the backward dequantises them (exact in the input
   dtype), so P recomputed from them and the forward's LSE is the forward's P (rows sum to one); V, dO and the
@@ -151,9 +153,8 @@ def _centred(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 # K smoothing runs inside the custom ops (not as torch ops around them), so that torch.compile runs the same
 # code as eager mode: Inductor's own fusion of the mean would round differently, and one flipped e4m3 rounding
 # changes the result's bits.
-@torch.library.custom_op("flashtrain::attention_fp8_fwd", mutates_args=())
-def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool,
-                          fp8_backward: bool, smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _fp8_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool, fp8_backward: bool,
+             smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, q8, q_scales, k8, k_scales): the quantised (rotated) Q and K are outputs too, so that
     fp8="forward"'s backward recomputes the forward's scores from them instead of rotating and quantising
     again (non-differentiable; empty for fp8="full", whose backward quantises in its own tiles). With
@@ -164,6 +165,12 @@ def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: 
     if fp8_backward:
         quantized = tuple(q.new_empty(0, dtype=t.dtype) for t in quantized)
     return out, lse, *quantized
+
+
+@torch.library.custom_op("flashtrain::attention_fp8_fwd", mutates_args=())
+def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool,
+                          fp8_backward: bool, smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _fp8_fwd(q, k, v, causal, scale, rotate, fp8_backward, smooth_k)
 
 
 @_attention_fp8_fwd_op.register_fake
@@ -180,10 +187,8 @@ def _(q, k, v, causal, scale, rotate, fp8_backward, smooth_k):
     return out, lse, *quantized
 
 
-@torch.library.custom_op("flashtrain::attention_fp8_bwd", mutates_args=())
-def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          dlse: Tensor | None, causal: bool, scale: float, rotate: bool,
-                          smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _fp8_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
+             causal: bool, scale: float, rotate: bool, smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
     """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py); dQ and dK are rotated back, and with
     smooth_k K is smoothed as in the forward (same bits) and dK passes back through the centring."""
     signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
@@ -198,16 +203,21 @@ def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     return dq.to(q.dtype), dk.to(k.dtype), dv
 
 
+@torch.library.custom_op("flashtrain::attention_fp8_bwd", mutates_args=())
+def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          dlse: Tensor | None, causal: bool, scale: float, rotate: bool,
+                          smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k)
+
+
 @_attention_fp8_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k):  # the kernels' outputs are contiguous
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-@torch.library.custom_op("flashtrain::attention_fp8_forward_bwd", mutates_args=())
-def _attention_fp8_forward_bwd_op(dout: Tensor, q8: Tensor, q_scales: Tensor, k8: Tensor, k_scales: Tensor,
-                                  v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
-                                  scale: float, rotate: bool, block_m: int, block_n: int,
-                                  smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _fp8_forward_bwd(dout: Tensor, q8: Tensor, q_scales: Tensor, k8: Tensor, k_scales: Tensor, v: Tensor,
+                     out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool, scale: float, rotate: bool,
+                     block_m: int, block_n: int, smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
     """fp8="forward": the 16-bit backward kernels, on the scores the FP8 forward computed.
 
     q8, k8 and their scales are the forward's quantised (rotated) Q and K, in tiles of block_m / block_n rows;
@@ -234,6 +244,15 @@ def _attention_fp8_forward_bwd_op(dout: Tensor, q8: Tensor, q_scales: Tensor, k8
     return dq.contiguous(), dk.contiguous(), dv[..., :head_dim].contiguous()  # contiguous, as the fake says
 
 
+@torch.library.custom_op("flashtrain::attention_fp8_forward_bwd", mutates_args=())
+def _attention_fp8_forward_bwd_op(dout: Tensor, q8: Tensor, q_scales: Tensor, k8: Tensor, k_scales: Tensor,
+                                  v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, causal: bool,
+                                  scale: float, rotate: bool, block_m: int, block_n: int,
+                                  smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _fp8_forward_bwd(dout, q8, q_scales, k8, k_scales, v, out, lse, dlse, causal, scale, rotate, block_m,
+                            block_n, smooth_k)
+
+
 @_attention_fp8_forward_bwd_op.register_fake
 def _(dout, q8, q_scales, k8, k_scales, v, out, lse, dlse, causal, scale, rotate, block_m, block_n, smooth_k):
     head_dim = v.shape[-1]
@@ -253,21 +272,41 @@ def _setup_context(ctx, inputs, output):
     ctx.causal, ctx.scale, ctx.rotate, ctx.fp8_backward, ctx.smooth_k = causal, scale, rotate, fp8_backward, smooth_k
 
 
-def _backward(ctx, dout, dlse2, *_):
-    """fp8="forward": the 16-bit backward kernels on the forward's scores; fp8="full": the FP8 kernels."""
+def _backward_with(full_bwd, forward_bwd, ctx, dout, dlse2):
+    """fp8="forward": the 16-bit backward kernels on the forward's scores (``forward_bwd``); fp8="full": the FP8
+    kernels (``full_bwd``). Each is the custom op (compiled graphs) or its plain function (eager mode)."""
     dlse = kernel_dlse(dlse2)
     if ctx.fp8_backward:
         q, k, v, out, lse2 = ctx.saved_tensors
-        dq, dk, dv = _attention_fp8_bwd_op(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate,
-                                           ctx.smooth_k)
+        dq, dk, dv = full_bwd(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate, ctx.smooth_k)
     else:
         q8, q_scales, k8, k_scales, v, out, lse2 = ctx.saved_tensors
-        dq, dk, dv = _attention_fp8_forward_bwd_op(dout, q8, q_scales, k8, k_scales, v, out, lse2, dlse,
-                                                   ctx.causal, ctx.scale, ctx.rotate, *ctx.tiles, ctx.smooth_k)
+        dq, dk, dv = forward_bwd(dout, q8, q_scales, k8, k_scales, v, out, lse2, dlse, ctx.causal, ctx.scale,
+                                 ctx.rotate, *ctx.tiles, ctx.smooth_k)
     return dq, dk, dv, None, None, None, None, None
 
 
+def _backward(ctx, dout, dlse2, *_):
+    return _backward_with(_attention_fp8_bwd_op, _attention_fp8_forward_bwd_op, ctx, dout, dlse2)
+
+
 torch.library.register_autograd("flashtrain::attention_fp8_fwd", _backward, setup_context=_setup_context)
+
+
+class _EagerFP8Attention(torch.autograd.Function):
+    """The FP8 custom ops' forward and backward without torch.library's dispatch, for eager mode (as
+    ``flashtrain.attention``'s 16-bit path; on the H200 the FP8 forward spent ~0.5 ms of host time per call
+    in the dispatch of its six outputs, more than its kernels at 4k tokens)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, rotate, fp8_backward, smooth_k):
+        output = _fp8_fwd(q, k, v, causal, scale, rotate, fp8_backward, smooth_k)
+        _setup_context(ctx, (q, k, v, causal, scale, rotate, fp8_backward, smooth_k), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse2, *_):
+        return _backward_with(_fp8_bwd, _fp8_forward_bwd, ctx, dout, dlse2)
 
 
 def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mode: str, hadamard: bool,
@@ -278,7 +317,8 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, m
     With smooth_k the kernels see K - mean(K): query i's scores all move by -scale * q_i . mean(K), which
     softmax ignores, and the LSE by the same, added back here (plain autograd: its gradient reaches q and k).
     """
-    out, lse = _attention_fp8_fwd_op(q, k, v, causal, scale, hadamard, mode == "full", smooth_k)[:2]
+    attend = _attention_fp8_fwd_op if torch.compiler.is_compiling() else _EagerFP8Attention.apply
+    out, lse = attend(q, k, v, causal, scale, hadamard, mode == "full", smooth_k)[:2]
     if not need_lse:
         return out, None
     if smooth_k:  # q_i . mean(K) per row, mean(K) shared by the query heads of a GQA group

@@ -66,6 +66,15 @@ def fp8_quantize_ref(x: torch.Tensor, block_n: int):
     return q.view(batch, heads, tiles * block_n, head_dim)[:, :, :seq], scales
 
 
+def mma_key_order_ref(seq: int) -> torch.Tensor:
+    """(seq,) int64: the column at which ``fp8_quantize(..., transposed=True, mma_key_order=True)`` stores key k.
+    Within each group of 32 keys, key 16h + 8a + 2t + b goes to 16h + 4t + 2a + b (see
+    ``flashtrain.kernels.fp8_quant._in_mma_key_order``)."""
+    k = torch.arange(seq)
+    group, h, a, t, b = k // 32, k // 16 % 2, k // 8 % 2, k // 2 % 4, k % 2
+    return 32 * group + 16 * h + 4 * t + 2 * a + b
+
+
 def pow2_at_least(x: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= x (float32, x > 0), elementwise."""
     return torch.exp2(torch.ceil(torch.log2(x.double()))).float()

@@ -176,12 +176,14 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
     quantized = (q8, q_scales, k8, k_scales)
     if done:
         return out, lse, quantized
-    vt8, v_scales = fp8_quantize(v, block_n, transposed=True)  # (B, H_kv, D, N_k): keys contiguous (K-major)
     qk_dim = q8.shape[3]
-    if fp8_hopper_forward_applies(q8, k8, vt8, causal, scale):
+    if fp8_hopper_forward_applies(q8, k8, head_dim, causal, scale):
+        # V^T with its keys in the Hopper kernel's P order: (B, H_kv, D, cdiv(N_k, 32) * 32)
+        vt8, v_scales = fp8_quantize(v, block_n, transposed=True, mma_key_order=True)
         hopper_module("attention_fp8_fwd_hopper").attention_fp8_fwd_hopper(
             q8, q_scales, k8, k_scales, vt8, v_scales, out, lse, causal, scale, block_n)
         return out, lse, quantized
+    vt8, v_scales = fp8_quantize(v, block_n, transposed=True)  # (B, H_kv, D, N_k): keys contiguous (K-major)
     grid = (configs.cdiv(seq_q, block_m), heads_q, batch)
     attention_fp8_fwd_kernel[grid](
         q8, q_scales, k8, k_scales, vt8, v_scales, out, lse,
@@ -193,17 +195,18 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
     return out, lse, quantized
 
 
-def fp8_hopper_forward_applies(q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Tensor, causal: bool,
+def fp8_hopper_forward_applies(q8: torch.Tensor, k8: torch.Tensor, head_dim: int, causal: bool,
                                scale: float) -> bool:
     """Whether ``attention_fp8_fwd`` runs the warp-specialised FP8 Hopper kernel (attention_fp8_fwd_hopper.py) on
-    these quantised operands: ``hopper_mode_allows`` (with ``configs.hopper_forward``'s mode), Q/K rows as wide
-    as V's with a config in FP8_HOPPER_FWD_CONFIGS, causal only with seq_q <= seq_k (every
+    these quantised Q and K and a V of ``head_dim``: ``hopper_mode_allows`` (with ``configs.hopper_forward``'s
+    mode), Q/K rows as wide as V's with a config in FP8_HOPPER_FWD_CONFIGS, causal only with seq_q <= seq_k (every
     row sees a key), a scale > 0 (the row max is taken before scaling), in "auto" mode a sequence of at least
-    FP8_HOPPER_FWD_MIN_SEQ (None: never), and ``hopper_device_ready`` (TMA-addressable tiles, sm_90, Gluon)."""
+    FP8_HOPPER_FWD_MIN_SEQ (None: never), and ``hopper_device_ready`` (TMA-addressable tiles, sm_90, Gluon; V^T
+    is quantised into a TMA-aligned layout)."""
     mode = configs.hopper_forward_mode()
     if not hopper_mode_allows(mode, q8):
         return False
-    head_dim, seq_q, seq_k = vt8.shape[2], q8.shape[2], k8.shape[2]
+    seq_q, seq_k = q8.shape[2], k8.shape[2]
     if q8.shape[3] != head_dim or head_dim not in configs.FP8_HOPPER_FWD_CONFIGS:
         return False
     if (causal and seq_q > seq_k) or not scale > 0:
@@ -211,7 +214,7 @@ def fp8_hopper_forward_applies(q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Te
     min_seq = configs.FP8_HOPPER_FWD_MIN_SEQ[(head_dim, causal)]
     if mode == "auto" and (min_seq is None or max(seq_q, seq_k) < min_seq):
         return False
-    return hopper_device_ready((q8, k8, vt8), "attention_fp8_fwd_hopper")
+    return hopper_device_ready((q8, k8), "attention_fp8_fwd_hopper")
 
 
 def fp8_launch_config(q: torch.Tensor, k: torch.Tensor) -> dict:

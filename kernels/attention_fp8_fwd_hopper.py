@@ -3,9 +3,9 @@ on the FP8 operands of ``attention_fp8_fwd``.
 
 Same inputs and numerics as ``attention_fp8_fwd_kernel``: Q8 in tiles of 128 rows (one scale per CTA, whose
 two softmax warpgroups of 64 rows share it), K8 and V8 in tiles of KV_TILE keys, V stored transposed
-(K-major, as FP8 wgmma takes its right operand); scores c * (Q8 K8^T) with c = q_scale * k_scale *
-softmax_scale * log2(e) applied inside the exponent's FMA; P448 = exp2(S - m + log2(448)) rounded to e4m3
-(P's fixed scale 448); l the row sum of the unrounded P448.
+(K-major, as FP8 wgmma takes its right operand) with its keys in the accumulator's column order (below);
+scores c * (Q8 K8^T) with c = q_scale * k_scale * softmax_scale * log2(e) applied inside the exponent's FMA;
+P448 = exp2(S - m + log2(448)) rounded to e4m3 (P's fixed scale 448); l the row sum of the unrounded P448.
 
 What differs is where P V is summed. ``attention_fp8_fwd`` computes each block's P8 V8 into a fresh fp32 tile
 and adds it as acc * alpha + pv * v_scale (two instructions per output element and a second accumulator's
@@ -17,6 +17,17 @@ which the tensor core carries between blocks with its own FP8 accumulation preci
 within 4e-3 of the Triton kernel's in bf16 units, the same error against float64 to 4 digits; the LSE
 bit-identical). The accumulator stays finite while the V tile scales of one (batch, head) span less than about
 2^90. The separate-tile form in this schedule ran at 0.86-0.99x its throughput at head_dim 128 on the H200
+(benchmarks/NOTES.md).
+
+P goes from the scores' accumulator registers to the A operand of P V without moving between threads. An FP8
+wgmma's accumulator gives thread t of a quad the columns 8c + 2t + {0, 1} of each 32, but its A operand takes
+from that thread the k indices 16h + 4t + {0..3}: a plain layout conversion is a cross-thread shuffle. The sum
+over keys does not care about their order, so V^T comes with the keys of each group of 32 permuted to match
+(``fp8_quantize(..., mma_key_order=True)``, ``fp8_quant._in_mma_key_order``), and P's columns are relabelled in
+registers only (``_p_as_operand``). P stays in fp32 until just before its wgmma (``_e4m3``): an e4m3 P carried
+into the next step is kept by the compiler as one byte per register, unpacked after the conversion and packed
+again for the wgmma, while the fp32 registers are live either way. Read from the sm_90 SASS at head_dim 128,
+the inner loop's instructions per step: 720 before, 673 without the shuffle, 485 with P also kept in fp32
 (benchmarks/NOTES.md).
 
 Per key block a warpgroup's work splits as in ``attention_fwd_hopper``: stage 1 (off-band) without masks,
@@ -45,7 +56,7 @@ BLOCK_M = 128  # query rows per CTA: one Q scale tile, two softmax warpgroups
 def _fp8_softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, MASK: gl.constexpr,
                       CAUSAL: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """One key block of the online softmax on the raw FP8 product s (64, BLOCK_N), c > 0 its scale: returns
-    (P448 in e4m3 as the A operand of P V, new row max, new row sum, alpha)."""
+    (P448 in fp32 in the A-operand layout of P V (``_p_as_operand``), new row max, new row sum, alpha)."""
     if MASK:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = cols[None, :] < seq_k
@@ -57,18 +68,38 @@ def _fp8_softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, MASK:
     p = gl.exp2(s * c - (m_new - LOG2_448)[:, None])  # one FFMA per score; P448 = 448 P
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, 1)
-    return gl.convert_layout(p.to(gl.float8e4nv), p_layout), m_new, l_new, alpha
+    return _p_as_operand(p, p_layout, BLOCK_N), m_new, l_new, alpha
 
 
 @gluon.jit
-def _fp8_attend_blocks(lo, hi, p8, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS,
+def _p_as_operand(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """P448 (64, BLOCK_N) fp32 from the accumulator layout to the A-operand layout of P V, registers unmoved:
+    column 32g + 16h + 8a + 2t + b becomes k index 32g + 16h + 4t + 2a + b, V's key order
+    (``fp8_quant._in_mma_key_order``)."""
+    p = gl.reshape(p, [WG_ROWS, BLOCK_N // 32, 2, 2, 4, 2])  # (rows, g, h, a, t, b)
+    p = gl.permute(p, [0, 1, 2, 4, 3, 5])  # (rows, g, h, t, a, b)
+    return gl.convert_layout(gl.reshape(p, [WG_ROWS, BLOCK_N]), p_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _e4m3(p):
+    """P448 (fp32, A-operand layout) to e4m3, four values to a register as the wgmma reads them; rounded to
+    nearest even and saturating (``cvt.rn.satfinite``: what ``.to(gl.float8e4nv)`` emits, here without the
+    compiler's unpacking into bytes)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS,
                        kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
                        CAUSAL: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, KV_TILE: gl.constexpr,
                        s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [lo, hi). Step j: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together, the softmax of
     S_j under the latter, slot j - 1 handed back, then acc rescaled for m_j and to V tile j's units. Returns
-    the state after block hi - 1 (p8: its P, not yet times V; vs_prev: its V tile's scale)."""
+    the state after block hi - 1 (p: its P448 in fp32, not yet times V; vs_prev: its V tile's scale)."""
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     for j in range(lo, hi):
@@ -80,17 +111,17 @@ def _fp8_attend_blocks(lo, hi, p8, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_sm
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         _wait_turn(j, WG, PINGPONG)
         s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p8, vt_smem.index(prev).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(_e4m3(p), vt_smem.index(prev).permute((1, 0)), acc, is_async=True)
         _pass_turn(j, n_blocks, WG, CONSUMERS, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # groups complete in order: S_j first
-        p8, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, rows, j * BLOCK_N, seq_k, causal_offset, c, MASK,
-                                                CAUSAL, s_layout, p_layout, BLOCK_N)
+        p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, rows, j * BLOCK_N, seq_k, causal_offset, c, MASK,
+                                               CAUSAL, s_layout, p_layout, BLOCK_N)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index(prev), count=1)
         # to units of V tile j's scale, rescaled for m_j: both factors per row, the ratio exact (powers of two)
         acc = acc * gl.convert_layout(alpha * (vs_prev / vs), row_o)[:, None]
         vs_prev = vs
-    return p8, m_i, l_i, acc, vs_prev
+    return p, m_i, l_i, acc, vs_prev
 
 
 @gluon.jit
@@ -128,22 +159,22 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
     _pass_turn(0, n_blocks, WG, CONSUMERS, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     if n_free > 0:
-        p8, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, False, CAUSAL, s_layout,
-                                            p_layout, BLOCK_N)
+        p, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, False, CAUSAL, s_layout,
+                                           p_layout, BLOCK_N)
     else:
-        p8, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, True, CAUSAL, s_layout,
-                                            p_layout, BLOCK_N)
+        p, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, True, CAUSAL, s_layout,
+                                           p_layout, BLOCK_N)
     # stage 1: off-band, no mask; stage 2: on-band, masked
-    p8, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
-        1, n_free, p8, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS, kv_tile0,
+    p, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
+        1, n_free, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS, kv_tile0,
         q_scale, n_blocks, seq_k, causal_offset, qk_scale, False, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N,
         KV_TILE, s_layout, o_layout, p_layout)
-    p8, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
-        gl.maximum(n_free, 1), n_blocks, p8, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows,
+    p, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
+        gl.maximum(n_free, 1), n_blocks, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows,
         KS, VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, True, CAUSAL, WG, CONSUMERS, PINGPONG,
         STAGES, BLOCK_N, KV_TILE, s_layout, o_layout, p_layout)
     last = (n_blocks - 1) % STAGES
-    acc = warpgroup_mma(p8, vt_smem.index(last).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(_e4m3(p), vt_smem.index(last).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index(last), count=1)
 
@@ -171,7 +202,8 @@ def attention_fp8_fwd_hopper_kernel(
     """One program: 128 query rows of one (batch, head). Grid (cdiv(seq_q, 128), H_q, B).
 
     Q8: (B, H_q, seq_q, QK_DIM) e4m3, QS: (B, H_q, cdiv(seq_q, 128)) fp32; K8: (B, H_kv, seq_k, QK_DIM) e4m3;
-    VT8: (B, H_kv, HEAD_DIM, seq_k) e4m3 (V transposed); KS, VS: (B, H_kv, cdiv(seq_k, KV_TILE)) fp32. Unit
+    VT8: (B, H_kv, HEAD_DIM, cdiv(seq_k, 32) * 32) e4m3 (V transposed, keys in ``fp8_quant._in_mma_key_order``,
+    the padding keys zero); KS, VS: (B, H_kv, cdiv(seq_k, KV_TILE)) fp32. Unit
     stride on the last dims, other strides TMA-aligned. O: (B, H_q, seq_q, HEAD_DIM), LSE (B, H_q, seq_q)
     fp32 contiguous, log2 domain. qk_scale = softmax scale * log2(e) > 0.
     """
@@ -193,7 +225,8 @@ def attention_fp8_fwd_hopper_kernel(
     k_desc = tma.make_tensor_descriptor(K8 + off_b.to(gl.int64) * stride_kb + off_hk.to(gl.int64) * stride_kh,
                                         [seq_k, QK_DIM], [stride_kn, 1], [BLOCK_N, QK_DIM], k_layout)
     vt_desc = tma.make_tensor_descriptor(VT8 + off_b.to(gl.int64) * stride_vtb + off_hk.to(gl.int64) * stride_vth,
-                                         [HEAD_DIM, seq_k], [stride_vtn, 1], [HEAD_DIM, BLOCK_N], vt_layout)
+                                         [HEAD_DIM, gl.cdiv(seq_k, 32) * 32], [stride_vtn, 1], [HEAD_DIM, BLOCK_N],
+                                         vt_layout)
     q_scale = gl.load(QS + (off_b.to(gl.int64) * heads_q + off_h) * gl.num_programs(0) + pid_m)
     kv_tile0 = (off_b.to(gl.int64) * (heads_q // GROUP) + off_hk) * gl.cdiv(seq_k, KV_TILE)
     o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
@@ -228,10 +261,11 @@ def attention_fp8_fwd_hopper_kernel(
 def attention_fp8_fwd_hopper(q8, q_scales, k8, k_scales, vt8, v_scales, out, lse, causal: bool, scale: float,
                              kv_tile: int, **overrides) -> None:
     """Launch into ``out`` and ``lse`` on ``attention_fp8_fwd``'s quantised operands (Q tiles of 128 rows, K/V
-    tiles of ``kv_tile`` keys; vt8 (B, H_kv, D, N_k) with a TMA-aligned row stride), for inputs that
-    ``fp8_hopper_forward_applies`` accepted. ``overrides``: kernel constexprs to replace (benchmarks)."""
+    tiles of ``kv_tile`` keys; vt8 (B, H_kv, D, cdiv(N_k, 32) * 32) from ``fp8_quantize(v, kv_tile,
+    transposed=True, mma_key_order=True)``), for inputs that ``fp8_hopper_forward_applies`` accepted.
+    ``overrides``: kernel constexprs to replace (benchmarks)."""
     batch, heads_q, seq_q, qk_dim = q8.shape
-    head_dim, seq_k = vt8.shape[2], vt8.shape[3]
+    head_dim, seq_k = vt8.shape[2], k8.shape[2]
     meta = {**fp8_hopper_fwd_meta(head_dim, causal), **overrides}
     ensure_scratch_allocator()
     attention_fp8_fwd_hopper_kernel[(cdiv(seq_q, BLOCK_M), heads_q, batch)](

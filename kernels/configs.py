@@ -240,10 +240,10 @@ FP8_HOPPER_FWD_CONFIGS = {
 
 
 # As HOPPER_FWD_MIN_SEQ for the FP8 Hopper forward: (head_dim, causal) -> shortest sequence in "auto" mode, None
-# for never. From benchmarks/results/fp8_hopper_fwd_call2_h200_2026-11-30.csv (kernels alone, same quantised
-# operands, B * N = 16k tokens): at head_dim 256 the FP8 Hopper kernel is 1.35-2.1x the Triton FP8 kernel at every
-# length measured (1k-16k); at head_dim 128 it is 0.71-1.0x, so "auto" keeps the Triton kernel there.
-FP8_HOPPER_FWD_MIN_SEQ = {(128, False): None, (128, True): None, (256, False): 1024, (256, True): 1024}
+# for never. From benchmarks/results/fp8_fwd_thresholds_h200_2026-11-30.csv (the fp8="forward" op with either
+# kernel, B * N = 16k tokens, H * D = 2048), Triton time / Hopper time: head_dim 128 full 0.95 at 1k, 1.05 at 2k,
+# 1.13 at 4k; causal 0.98 at 2k, 1.06 at 4k; head_dim 256 full 1.12 and causal 1.04 at 512 (the shortest measured).
+FP8_HOPPER_FWD_MIN_SEQ = {(128, False): 2048, (128, True): 4096, (256, False): 512, (256, True): 512}
 
 
 def fp8_hopper_fwd_meta(head_dim: int, causal: bool) -> dict:

@@ -86,6 +86,19 @@ def _quantize_with_scale(x, scale):
 
 
 @triton.jit
+def _in_mma_key_order(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rows x (ROWS, BLOCK_D) (ROWS a multiple of 32, rows 32-aligned keys) in the key order of
+    ``fp8_quantize(..., mma_key_order=True)``: within each group of 32, key 16h + 8a + 2t + b moves to row
+    16h + 4t + 2a + b. An FP8 wgmma's accumulator gives thread t of a quad the score columns 8c + 2t + {0, 1}
+    (c = 0..3, per 32 columns), while its A operand takes from that thread the k indices 16h + 4t + {0..3};
+    with V's keys in this order the P tile in the accumulator's registers is already the A operand of P V
+    (``attention_fp8_fwd_hopper``). Moved in registers, so the stores stay contiguous."""
+    x = tl.reshape(x, (ROWS // 32, 2, 2, 4, 2, BLOCK_D))  # key = 32g + 16h + 8a + 2t + b: (g, h, a, t, b, d)
+    x = tl.permute(x, (0, 1, 3, 2, 4, 5))  # (g, h, t, a, b, d)
+    return tl.reshape(x, (ROWS, BLOCK_D))
+
+
+@triton.jit
 def _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CENTRE: tl.constexpr):
     """(rows, BLOCK_D) fp32: rows of X, centred if CENTRE with the rounding of ``flashtrain.fp8._centred``
@@ -136,14 +149,26 @@ def _quant_rows(X, MEAN, SIGNS, H, x_base, mean_base, rows, seq, stride_xn, stri
 
 
 @triton.jit
+def _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+                OUT_DIM: tl.constexpr, MMA_KEY_ORDER: tl.constexpr):
+    """Store the e4m3 rows q (CHUNK, BLOCK_D) of one tile at rows ``rows``: those < store_rows, columns < OUT_DIM;
+    with MMA_KEY_ORDER permuted first (``_in_mma_key_order``)."""
+    if MMA_KEY_ORDER:
+        q = _in_mma_key_order(q, CHUNK, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(q_base + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd, q,
+             mask=(rows[:, None] < store_rows) & (offs_d[None, :] < OUT_DIM))
+
+
+@triton.jit
 def fp8_quantize_kernel(
     X, MEAN, SIGNS, H, Q, S,
     stride_xb, stride_xh, stride_xn, stride_xd,
     stride_qb, stride_qh, stride_qn, stride_qd,
-    seq, norm, norm_lo,
+    seq, store_rows, norm, norm_lo,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ZERO_SCALE_IF_EMPTY: tl.constexpr,
+    ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
 ):
     """One program: one tile of BLOCK_N rows of one (batch, head). Grid (cdiv(seq, BLOCK_N), H, B).
 
@@ -154,7 +179,8 @@ def fp8_quantize_kernel(
     1/sqrt(BLOCK_D) split), applied by METHOD with the +-1 matrix at H (``_rotated_rows``). A tile of more than
     CHUNK rows is read twice, chunk by chunk, once for its amax and once to quantise (the second read mostly
     from L2), so that registers hold CHUNK rows and not the whole tile. ZERO_SCALE_IF_EMPTY: an all-zero tile's
-    scale is stored as 0 instead of 1.
+    scale is stored as 0 instead of 1. Rows [0, store_rows) of Q are written (store_rows >= seq; rows past seq
+    as zeros); MMA_KEY_ORDER: in the order of ``_in_mma_key_order`` (CHUNK and store_rows multiples of 32).
     """
     pid_n = tl.program_id(0)
     off_h = tl.program_id(1)
@@ -163,7 +189,6 @@ def fp8_quantize_kernel(
     x_base = off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
     OUT_DIM: tl.constexpr = BLOCK_D if ROTATE else HEAD_DIM
-    offs_d = tl.arange(0, BLOCK_D)
     if CHUNK == BLOCK_N:  # the whole tile in registers: one read
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         x = _quant_rows(X, MEAN, SIGNS, H, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
@@ -171,8 +196,7 @@ def fp8_quantize_kernel(
         amax = tl.max(tl.max(tl.abs(x), 1), 0)
         scale = _tile_scale(amax, True)
         q = _quantize_with_scale(x, scale)
-        tl.store(q_base + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd, q,
-                 mask=(rows[:, None] < seq) & (offs_d[None, :] < OUT_DIM))
+        _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK, BLOCK_D, OUT_DIM, MMA_KEY_ORDER)
     else:
         amax = 0.0
         for c in tl.static_range(0, BLOCK_N, CHUNK):
@@ -185,8 +209,8 @@ def fp8_quantize_kernel(
             rows = pid_n * BLOCK_N + c + tl.arange(0, CHUNK)
             x = _quant_rows(X, MEAN, SIGNS, H, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                             norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
-            tl.store(q_base + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd, _quantize_with_scale(x, scale),
-                     mask=(rows[:, None] < seq) & (offs_d[None, :] < OUT_DIM))
+            _store_rows(q_base, _quantize_with_scale(x, scale), rows, store_rows, stride_qn, stride_qd, CHUNK,
+                        BLOCK_D, OUT_DIM, MMA_KEY_ORDER)
     if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
         scale = tl.where(amax > 0.0, scale, 0.0)
     tl.store(S + head * tl.num_programs(0) + pid_n, scale)
@@ -221,7 +245,8 @@ def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
 
 @configs.on_input_device
 def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None,
-                 signs: torch.Tensor | None = None, transposed: bool = False, empty_tile_scale: float = 1.0):
+                 signs: torch.Tensor | None = None, transposed: bool = False, empty_tile_scale: float = 1.0,
+                 mma_key_order: bool = False):
     """Quantise x (B, H, N, D) to e4m3 with one fp32 scale per tile of ``block_n`` rows.
 
     Returns (q, scales): q (B, H, N, D) float8_e4m3fn, contiguous; scales (B, H, cdiv(N, block_n)) float32,
@@ -233,9 +258,15 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     row stride padded to a multiple of 16 bytes (the layout TMA loads; a view of the first N columns).
     ``empty_tile_scale``: the scale reported for an all-zero tile, 1.0 (default: dividing by it is safe) or 0.0
     (the FP8 backward's running units must not take an empty tile's scale as a magnitude).
+    ``mma_key_order`` (with ``transposed``; ``block_n`` a multiple of 32): q is (B, H, D, cdiv(N, 32) * 32) with
+    the N rows (keys) permuted within each group of 32 (``_in_mma_key_order``) and the padding keys zero: V as
+    the FP8 Hopper forward reads it.
     """
     if empty_tile_scale not in (0.0, 1.0):
         raise ValueError(f"fp8_quantize: empty_tile_scale={empty_tile_scale!r}; expected 1.0 or 0.0")
+    if mma_key_order and not (transposed and block_n % 32 == 0):
+        raise ValueError(f"fp8_quantize: mma_key_order=True needs transposed=True and block_n a multiple of 32; "
+                         f"got transposed={transposed!r}, block_n={block_n}")
     if x.dim() != 4:
         raise ValueError(f"fp8_quantize: x must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
     if block_n < 16 or block_n & (block_n - 1):
@@ -253,10 +284,11 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         if out_dim > FUSED_ROTATION_MAX_DIM:  # the Hadamard kernel first (faster there; see the constant)
             x, mean, signs = hadamard(x, signs, mean=mean), None, None
             head_dim = out_dim
+    store_rows = configs.cdiv(seq, 32) * 32 if mma_key_order else seq
     if transposed:
-        padded = torch.empty((batch, heads, out_dim, configs.cdiv(seq, 16) * 16), device=x.device,
-                             dtype=torch.float8_e4m3fn)
-        q = padded[..., :seq].transpose(2, 3)
+        row_stride = store_rows if mma_key_order else configs.cdiv(seq, 16) * 16  # a multiple of 16 bytes
+        padded = torch.empty((batch, heads, out_dim, row_stride), device=x.device, dtype=torch.float8_e4m3fn)
+        q = padded[..., :store_rows].transpose(2, 3)
     else:
         q = torch.empty((batch, heads, seq, out_dim), device=x.device, dtype=torch.float8_e4m3fn)
     scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=x.device, dtype=torch.float32)
@@ -267,10 +299,10 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         fp8_quantize_kernel[(configs.cdiv(seq, block_n), heads, batch)](
             x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
             hadamard_matrix(block_d, x.dtype, x.device) if method == "matmul" else x, q, scales, *x.stride(),
-            *q.stride(), seq, *split_scale(1.0 / math.sqrt(block_d)), HEAD_DIM=head_dim,
+            *q.stride(), seq, store_rows, *split_scale(1.0 / math.sqrt(block_d)), HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=quant_chunk(block_n, block_d, rotate), CENTRE=mean is not None,
             ROTATE=rotate, METHOD=method, DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32",
-            ZERO_SCALE_IF_EMPTY=empty_tile_scale == 0.0)
+            ZERO_SCALE_IF_EMPTY=empty_tile_scale == 0.0, MMA_KEY_ORDER=mma_key_order)
     return (q.transpose(2, 3) if transposed else q), scales
 
 

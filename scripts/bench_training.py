@@ -233,7 +233,8 @@ def plot_losses(path, plot_path):
     ax.legend()
     runs = len(curves) // len(colours)
     seeds = f" ({runs} seeds per colour)" if runs > 1 else ""
-    fig.suptitle(f"training loss, {rows[0]['gpu']}, {rows[0]['date']}{seeds}")
+    dates = sorted({r["date"] for r in rows})  # a CSV may join runs of several days
+    fig.suptitle(f"training loss, {rows[0]['gpu']}, {' and '.join(dates)}{seeds}")
     fig.tight_layout()
     fig.savefig(plot_path, dpi=90)
     return "\n".join(summarise_losses(curves))

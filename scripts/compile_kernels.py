@@ -176,7 +176,11 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                    dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
                         CHUNK=fp8_quant.quant_chunk(128, head_dim, rotate), CENTRE=centre, ROTATE=rotate,
                         METHOD=fp8_quant.rotate_method(head_dim) if rotate else "butterfly", DOT_PRECISION="tf32",
-                        ZERO_SCALE_IF_EMPTY=zero), 4, 2)
+                        ZERO_SCALE_IF_EMPTY=zero, MMA_KEY_ORDER=False), 4, 2)
+        yield (f"fp8 quantize D={head_dim} mma key order", fp8_quantize_kernel, quant_ptr,  # V for the Hopper forward
+               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CHUNK=fp8_quant.quant_chunk(128, head_dim),
+                    CENTRE=False, ROTATE=False, METHOD="butterfly", DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=False,
+                    MMA_KEY_ORDER=True), 4, 2)
         yield (f"hadamard D={head_dim}", hadamard_kernel,
                {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
                dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)

@@ -6,7 +6,7 @@ import torch
 from flashtrain.fp8 import _centred, _seq_mean, fp8_quantize, hadamard_transform, random_signs
 from flashtrain.kernels import fp8_quant
 from flashtrain.kernels.hadamard import hadamard, padded_dim
-from flashtrain.reference import fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref
+from flashtrain.reference import fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref, mma_key_order_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -98,6 +98,28 @@ def test_rotation_fused_into_quantise(shape, block_n, dtype, centre, transposed,
         assert not differ.any()
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("shape, block_n", [((1, 2, 37, 40), 32), ((2, 1, 129, 24), 64), ((1, 1, 1, 16), 32),
+                                            ((1, 1, 64, 8), 32)], ids=str)
+def test_quantize_in_mma_key_order(shape, block_n, device):
+    """V^T for the FP8 Hopper forward: the transposed quantisation's bytes and scales, each group of 32 keys
+    permuted as ``mma_key_order_ref`` says, padded to a multiple of 32 keys with zeros (outputs poisoned)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, generator=gen).to(device, torch.float16)
+    plain, plain_scales = fp8_quantize(x, block_n, transposed=True)
+    q, scales = fp8_quantize(x, block_n, transposed=True, mma_key_order=True)
+    seq = shape[2]
+    padded = -(-seq // 32) * 32
+    assert q.shape == (*shape[:2], shape[3], padded) and q.stride(3) == 1 and q.stride(2) % 16 == 0
+    assert torch.equal(scales, plain_scales)
+    at = mma_key_order_ref(seq).to(device)
+    assert torch.equal(q[..., at].view(torch.uint8), plain.view(torch.uint8))
+    padding = torch.ones(padded, dtype=torch.bool, device=device)
+    padding[at] = False
+    assert (q[..., padding].view(torch.uint8) == 0).all()
+    assert sorted(mma_key_order_ref(64).tolist()) == list(range(64))  # a permutation within groups of 32
+
+
 def test_quantize_bad_input():
     with pytest.raises(ValueError, match="block_n=24"):
         fp8_quantize(torch.randn(1, 1, 4, 8), 24)
@@ -106,6 +128,11 @@ def test_quantize_bad_input():
         fp8_quantize(x, 16, mean=torch.zeros(1, 2, 32))
     with pytest.raises(ValueError, match=r"fp8_quantize: empty_tile_scale=0.5; expected 1.0 or 0.0"):
         fp8_quantize(x, 16, empty_tile_scale=0.5)
+    with pytest.raises(ValueError, match=r"mma_key_order=True needs transposed=True and block_n a multiple of 32; "
+                                         r"got transposed=False, block_n=32"):
+        fp8_quantize(x, 32, mma_key_order=True)
+    with pytest.raises(ValueError, match=r"got transposed=True, block_n=16"):
+        fp8_quantize(x, 16, transposed=True, mma_key_order=True)
     with pytest.raises(ValueError, match=r"fp8_quantize: signs has shape \(24,\); expected \(32,\)"):
         fp8_quantize(x, 16, signs=torch.ones(24))
     with pytest.raises(ValueError, match=r"hadamard: mean must be float32 of shape \(1, 2, 24\)"):
