@@ -76,8 +76,8 @@ def mma_key_order_ref(seq: int) -> torch.Tensor:
 
 
 def pow2_at_least(x: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= x (float32, x > 0), elementwise."""
-    return torch.exp2(torch.ceil(torch.log2(x.double()))).float()
+    """The smallest power of two >= x (x > 0), elementwise, in x's dtype (computed in float64)."""
+    return torch.exp2(torch.ceil(torch.log2(x.double()))).to(x.dtype)
 
 
 def fp8_dequantize_ref(q: torch.Tensor, scales: torch.Tensor, block_n: int) -> torch.Tensor:
@@ -154,8 +154,8 @@ def _tile_quantize(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 rounded up to a power of two; 0 where amax is 0."""
-    return torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 448.0))), torch.zeros_like(amax))
+    """amax / 448 rounded up to a power of two (``pow2_at_least``); 0 where amax is 0."""
+    return torch.where(amax > 0, pow2_at_least(amax / 448.0), torch.zeros_like(amax))
 
 
 def _empty_tiles_zero(x: torch.Tensor, block: int) -> torch.Tensor:

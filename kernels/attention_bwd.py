@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale, _visible, dropout_args,
-                            hopper_device_ready, hopper_inputs_qualify, hopper_module, key_bias_arg,
+from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _query_block_key_range, _scale, _visible,
+                            dropout_args, hopper_device_ready, hopper_inputs_qualify, hopper_module, key_bias_arg,
                             precision_for, split_scale)
 
 
@@ -294,13 +294,7 @@ def attention_bwd_dq_kernel(
     rng_base = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q
 
     causal_offset = seq_k - seq_q
-    if CAUSAL:
-        hi = tl.minimum(seq_k, start_m + BLOCK_M + causal_offset)
-        n_full = tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N
-        mid = tl.minimum(n_full, seq_k // BLOCK_N) * BLOCK_N
-    else:
-        hi = seq_k
-        mid = (seq_k // BLOCK_N) * BLOCK_N
+    mid, hi = _query_block_key_range(start_m, seq_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
     # stage 1: off-band, no causal mask
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
                                  0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,

@@ -39,8 +39,8 @@ import triton.language as tl
 
 from . import configs
 from .attention_bwd import _dkdv_query_range, backward_delta
-from .attention_fwd import LOG2E, _load_rows
-from .fp8_quant import SOFTWARE_ROUNDING, _pow2_at_least, _tile_scale, _to_e4m3, fp8_quantize
+from .attention_fwd import LOG2E, _load_rows, _query_block_key_range
+from .fp8_quant import SOFTWARE_ROUNDING, _tile_scale, _to_e4m3, fp8_quantize
 
 
 @triton.jit
@@ -65,9 +65,10 @@ def _to_e4m3_sat(x):
 
 @triton.jit
 def _row_scales(x):
-    """Per row of the fp32 tile x: amax / 448 rounded up to a power of two, 0 for an all-zero row."""
+    """Per row of the fp32 tile x: ``_tile_scale`` of its amax (amax / 448 up to a power of two), 0 for an
+    all-zero row."""
     amax = tl.max(tl.abs(x), 1)
-    return tl.where(amax > 0.0, _pow2_at_least(amax / 448.0), 0.0)
+    return tl.where(amax > 0.0, _tile_scale(amax, True), 0.0)
 
 
 @triton.jit
@@ -279,13 +280,7 @@ def attention_fp8_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
 
     causal_offset = seq_k - seq_q
-    if CAUSAL:
-        # keys seen by the tile's last row, and keys seen by its first row (so by every row)
-        hi = tl.maximum(tl.minimum(seq_k, start_m + BLOCK_M + causal_offset), 0)
-        mid = tl.minimum((tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N) * BLOCK_N, hi)
-    else:
-        hi = seq_k
-        mid = seq_k
+    mid, hi = _query_block_key_range(start_m, seq_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N, EVEN)
     if not EVEN:
         mid = 0
     scale_tiles_k = tl.cdiv(seq_k, SCALE_N)

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import (LOG2E, _load_rows, _visible, allocate_outputs, hopper_device_ready, hopper_mode_allows,
-                            hopper_module)
+from .attention_fwd import (LOG2E, _load_rows, _query_block_key_range, _visible, allocate_outputs, hopper_device_ready,
+                            hopper_mode_allows, hopper_module)
 from .fp8_quant import _to_e4m3, fp8_quantize, quantize_scores_operands
 
 LOG2_448 = tl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
@@ -128,12 +128,7 @@ def attention_fp8_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     causal_offset = seq_k - seq_q
-    if CAUSAL:
-        hi = tl.minimum(seq_k, start_m + BLOCK_M + causal_offset)
-        mid = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N, seq_k // BLOCK_N) * BLOCK_N
-    else:
-        hi = seq_k
-        mid = (seq_k // BLOCK_N) * BLOCK_N
+    mid, hi = _query_block_key_range(start_m, seq_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
     # stage 1: off-band, no mask
     acc, l_i, m_i = _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base,
                                              stride_kn, stride_vtn, 0, mid, offs_m, offs_n, offs_dk, offs_dv,

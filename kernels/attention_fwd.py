@@ -61,6 +61,25 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
+def _query_block_key_range(start_m, seq_k, causal_offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr = False):
+    """(mid, hi): the keys a program with queries [start_m, start_m + BLOCK_M) visits. [0, mid) are whole key
+    blocks every row sees (no mask); [mid, hi) the blocks crossing the diagonal and the ragged tail of seq_k
+    (masked); keys from hi on are seen by no row. causal_offset = seq_k - seq_q. EVEN_N: the caller knows
+    seq_k % BLOCK_N == 0, so without a causal mask [mid, hi) is empty at compile time."""
+    if CAUSAL:
+        # keys seen by the block's last row: j < start_m + BLOCK_M + causal_offset
+        hi = tl.minimum(seq_k, start_m + BLOCK_M + causal_offset)
+        # keys seen by its first row (so by every row): j <= start_m + causal_offset
+        n_full = tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N
+        mid = tl.minimum(n_full, seq_k // BLOCK_N) * BLOCK_N
+    else:
+        hi = seq_k
+        mid = seq_k if EVEN_N else (seq_k // BLOCK_N) * BLOCK_N
+    return mid, hi
+
+
+@triton.jit
 def _scale(x, scale, scale_lo):
     """x * scale, where (scale, scale_lo) is ``split_scale``'s pair: fp64 uses both halves."""
     if x.dtype == tl.float64:
@@ -199,15 +218,7 @@ def attention_fwd_kernel(
     rng_base = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q
 
     causal_offset = seq_k - seq_q
-    if CAUSAL:
-        # keys seen by the block's last row: j < start_m + BLOCK_M + causal_offset
-        hi = tl.minimum(seq_k, start_m + BLOCK_M + causal_offset)
-        # keys seen by its first row (so by every row): j <= start_m + causal_offset
-        n_full = tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N
-        mid = tl.minimum(n_full, seq_k // BLOCK_N) * BLOCK_N
-    else:
-        hi = seq_k
-        mid = (seq_k // BLOCK_N) * BLOCK_N
+    mid, hi = _query_block_key_range(start_m, seq_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
 
     # stage 1: off-band, no causal mask
     acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
