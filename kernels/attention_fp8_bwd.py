@@ -64,6 +64,15 @@ def _to_e4m3_sat(x):
 
 
 @triton.jit
+def _settled(acc):
+    """acc, read by an empty inline asm (no instruction): Triton then waits for the wgmma that wrote it within
+    the loop step. Left in flight across the loop's back edge, dK's accumulator makes ptxas serialise every
+    wgmma of the dK/dV kernel (warning C7515: each waits for the one before; ``configs.FP8_BWD_SETTLE_DK`` says
+    where that is slower). Not for the interpreter, which runs no asm."""
+    return tl.inline_asm_elementwise("// $0 settled", "=r,0", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _row_scales(x):
     """Per row of the fp32 tile x: ``_tile_scale`` of its amax (amax / 448 up to a power of two), 0 for an
     all-zero row."""
@@ -86,7 +95,7 @@ def _attention_fp8_bwd_dkdv_inner(dk, dv, dk_unit, inv_dv_unit, k, v, k_scale, v
                                   stride_dot_row,
                                   QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
                                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_M: tl.constexpr,
-                                  MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+                                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, SETTLE_DK: tl.constexpr):
     """Accumulate query tiles [lo, hi) of one query head into dK, dV of the resident key tile, on transposed
     tiles (BLOCK_N keys, BLOCK_M queries) so that K and V stay the left operands. MASKED: bounds and the causal
     mask (tiles crossing the diagonal, or a ragged shape); otherwise every element is visible and in bounds."""
@@ -131,6 +140,8 @@ def _attention_fp8_bwd_dkdv_inner(dk, dv, dk_unit, inv_dv_unit, k, v, k_scale, v
         dk = dk * (dk_unit * inv_unit)[:, None]
         ds8_t = _to_e4m3_sat(ds_t * (q_scale * inv_unit)[:, None])
         dk = tl.dot(ds8_t, tl.trans(q_t), dk)
+        if SETTLE_DK:
+            dk = _settled(dk)
         dk_unit = unit
     return dk, dv, dk_unit
 
@@ -143,6 +154,7 @@ def attention_fp8_bwd_dkdv_kernel(
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_M: tl.constexpr, SCALE_N: tl.constexpr,
+    SETTLE_DK: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK_N), H_kv, B).
 
@@ -152,7 +164,8 @@ def attention_fp8_bwd_dkdv_kernel(
     the given head and dim strides (FP8 tensor cores read both operands with the reduced dim contiguous). LSE
     (log2 domain), DELTA: (B, H_q, seq_q) fp32. DV_UNIT (B * H_kv,) fp32: the largest of DOS over each GQA
     group. DK (B, H_kv, seq_k, QK_DIM) fp32 and DV (B, H_kv, seq_k, HEAD_DIM) in V's dtype, contiguous.
-    EVEN: seq_q % BLOCK_M == 0 and seq_k % BLOCK_N == 0 (else every tile is masked).
+    EVEN: seq_q % BLOCK_M == 0 and seq_k % BLOCK_N == 0 (else every tile is masked). SETTLE_DK: wait for dK's
+    wgmma within each step (``_settled``; GPU only).
     """
     pid_n = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -193,12 +206,12 @@ def attention_fp8_bwd_dkdv_kernel(
         dk, dv, dk_unit = _attention_fp8_bwd_dkdv_inner(
             dk, dv, dk_unit, inv_dv_unit, *args, lo, mid, offs_m, offs_n, offs_dk, offs_dv, seq_q, seq_k,
             causal_offset, qk_scale, stride_qt_row, stride_dot_row, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_DV, BLOCK_M,
-            SCALE_M, True, CAUSAL)
+            SCALE_M, True, CAUSAL, SETTLE_DK)
         # stage 2: query tiles that see the whole key tile, no mask
         dk, dv, dk_unit = _attention_fp8_bwd_dkdv_inner(
             dk, dv, dk_unit, inv_dv_unit, *args, mid, end, offs_m, offs_n, offs_dk, offs_dv, seq_q, seq_k,
             causal_offset, qk_scale, stride_qt_row, stride_dot_row, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_DV, BLOCK_M,
-            SCALE_M, False, CAUSAL)
+            SCALE_M, False, CAUSAL, SETTLE_DK)
 
     rows_ok = offs_n[:, None] < seq_k
     tl.store(DK + (head_kv * seq_k + offs_n[:, None]) * QK_DIM + offs_dk[None, :], dk * (dk_unit * sm_scale)[:, None],

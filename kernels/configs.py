@@ -129,9 +129,17 @@ def fp8_config(seq_len: int, head_dim: int) -> dict:
 FP8_BWD_SCALE_TILES = (128, 128)
 # Fixed, the fastest of a sweep of each kernel alone on the H200 (benchmarks/NOTES.md, thirteenth session): at
 # head_dim 128 (64, 128, 8, 3) led dK/dV at 4k and 16k, causal or not; (64, 64, 4, 3) was within 2-5% of the best
-# dQ tile at each point.
-FP8_BWD_DKDV = {64: (64, 64, 4, 2), 128: (64, 128, 8, 3), 256: (64, 64, 8, 2)}
+# dQ tile at each point. head_dim 64 and 256 dK/dV: 3 stages since the fifteenth session (with dK settled, below:
+# 0.92x the time of the 2-stage kernel before it at 64, 16k causal; 0.77-0.91x at 256, 4k and 16k;
+# results/fp8_bwd_settled_h200_2026-11-30.csv).
+FP8_BWD_DKDV = {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (64, 64, 8, 3)}
 FP8_BWD_DQ = {64: (64, 64, 4, 2), 128: (64, 64, 4, 3), 256: (64, 64, 8, 2)}
+# Per head_dim: whether the dK/dV kernel waits for dK's wgmma within each step (``attention_fp8_bwd._settled``).
+# Left in flight across the loop's back edge, ptxas serialises every wgmma of the kernel (warning C7515). Settled,
+# each kernel alone on the H200 against the serialised one (same tiles): head_dim 256 0.88-0.89x the time
+# without a causal mask, 1.03x causal; head_dim 64 1.00x; head_dim 128 1.03-1.07x (the two warpgroups of its
+# 8 warps keep the tensor cores busy in turn either way), so 128 stays serialised.
+FP8_BWD_SETTLE_DK = {64: True, 128: False, 256: True}
 # The interpreter: tiles of 16 / 32 rows under scale tiles of 32, so the CPU tests cross several tiles per scale
 # and several scales; from 256 tokens the GPU's tiles (fewer, larger programs: faster there).
 INTERPRET_FP8_BWD = ((32, 32), (16, 32, 4, 1), (32, 16, 4, 1))
@@ -141,18 +149,20 @@ INTERPRET_LONG_FP8_BWD = ((128, 128), (64, 128, 4, 1), (128, 64, 4, 1))
 def fp8_bwd_tiles(seq_len: int, qk_dim: int) -> dict:
     """The FP8 backward's tiling for Q/K rows of ``qk_dim`` (after the rotation's padding): SCALE_M, SCALE_N (rows
     per scale of Q and dO, of K and V) and the launch parameters of its two kernels, "dkdv" and "dq" (dicts of
-    BLOCK_M, BLOCK_N, num_warps, num_stages); ``seq_len`` as in fp8_config."""
+    BLOCK_M, BLOCK_N, num_warps, num_stages; "dkdv" also SETTLE_DK); ``seq_len`` as in fp8_config."""
+    settle = False  # the interpreter runs no inline asm
     if INTERPRET:
         scales, dkdv, dq = INTERPRET_LONG_FP8_BWD if seq_len >= INTERPRET_LONG_SEQ else INTERPRET_FP8_BWD
     else:
         width = max(64, block_d(qk_dim))
         scales, dkdv, dq = FP8_BWD_SCALE_TILES, FP8_BWD_DKDV[width], FP8_BWD_DQ[width]
+        settle = FP8_BWD_SETTLE_DK[width]
 
     def launch(cfg):
         block_m, block_n, warps, stages = cfg
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
-    return dict(SCALE_M=scales[0], SCALE_N=scales[1], dkdv=launch(dkdv), dq=launch(dq))
+    return dict(SCALE_M=scales[0], SCALE_N=scales[1], dkdv=dict(launch(dkdv), SETTLE_DK=settle), dq=launch(dq))
 
 
 def _configs(candidates):

@@ -18,7 +18,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -164,6 +167,8 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                     meta = dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
                                 CAUSAL=causal, EVEN=even, SCALE_M=bwd["SCALE_M"],
                                 SCALE_N=bwd["SCALE_N"], BLOCK_M=launch["BLOCK_M"], BLOCK_N=launch["BLOCK_N"])
+                    if name == "dkdv":
+                        meta["SETTLE_DK"] = launch["SETTLE_DK"]
                     yield (f"fp8 {name} D={head_dim} causal={causal} even={even}", kernel, bwd_ptr, meta,
                            launch["num_warps"], launch["num_stages"])
         quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "SIGNS": "*fp32", "H": f"*{dtype}", "Q": fp8, "S": "*fp32"}
@@ -186,11 +191,27 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)
 
 
+def serialisation_warnings(compiled, arch: int) -> list[str]:
+    """ptxas's performance warnings about wgmma (C7510-C7519: "wgmma.mma_async instructions are serialized ...",
+    "warpgroup.wait is injected ...") for a compiled kernel's PTX, from ``ptxas -v`` run again on it (Triton
+    does not show them). A serialised kernel waits for every wgmma before the next."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        result = subprocess.run([get_ptxas(arch).path, "-v", f"-arch=sm_{arch}a", ptx, "-o", ptx + ".cubin"],
+                                capture_output=True, text=True)
+    return [line.strip() for line in result.stderr.splitlines() if re.search(r"\(C751\d\)", line)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: Hopper)")
     parser.add_argument("--only", default="", help="compile only the jobs whose name contains this")
     parser.add_argument("--quick", action="store_true", help="one tuning candidate per kernel and head dim")
+    parser.add_argument("--wgmma-warnings", action="store_true",
+                        help="also print ptxas's wgmma serialisation warnings per kernel (runs ptxas again)")
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
@@ -199,10 +220,14 @@ def main(argv=None) -> int:
     start = time.time()
     for name, kernel, pointers, meta, warps, stages in jobs:
         try:
-            compile_one(kernel, pointers, meta, target, warps, stages)
+            compiled = compile_one(kernel, pointers, meta, target, warps, stages)
         except Exception as exc:  # report every failure, not only the first
             failures += 1
             print(f"FAILED {name}: {type(exc).__name__}: {str(exc).splitlines()[-1] if str(exc) else ''}")
+            continue
+        if args.wgmma_warnings:
+            for warning in serialisation_warnings(compiled, args.arch):
+                print(f"WGMMA {name}: {warning}")
     print(f"{len(jobs) - failures}/{len(jobs)} kernels compiled for sm_{args.arch} in {time.time() - start:.0f} s")
     return 1 if failures else 0
 
