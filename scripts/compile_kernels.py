@@ -11,6 +11,7 @@ kernels by Python functions).
     python scripts/compile_kernels.py            # Hopper (sm_90), every candidate (a few minutes)
     python scripts/compile_kernels.py --quick    # one candidate per kernel: what the test suite runs
     python scripts/compile_kernels.py --arch 100 # another target
+    python scripts/compile_kernels.py --only "fp8 dkdv" --wgmma-warnings  # and ptxas's wgmma serialisation warnings
 """
 
 from __future__ import annotations
