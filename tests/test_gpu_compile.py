@@ -15,12 +15,18 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compile_kernels.py"
 
 
-def test_every_kernel_compiles_for_sm90():
+def _compile_kernels(*args: str) -> subprocess.CompletedProcess:
+    """Run scripts/compile_kernels.py with ``args`` outside the interpreter; assert that it succeeded."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick"], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
                             timeout=1200)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def test_every_kernel_compiles_for_sm90():
+    result = _compile_kernels("--quick")
     assert "kernels compiled for sm_90" in result.stdout
 
 
@@ -28,12 +34,8 @@ def test_fp8_dkdv_wgmmas_pipelined_where_settled():
     """Where ``configs.FP8_BWD_SETTLE_DK`` settles dK within the step, ptxas must not serialise the FP8 dK/dV
     kernel's wgmmas (warning C7515, every wgmma waiting for the one before); at head_dim 128, which keeps the
     serialised kernel (faster there, benchmarks/NOTES.md), it still does, which this test also checks."""
-    pytest.importorskip("triton.backends.nvidia")
     from flashtrain.kernels import configs
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(SCRIPT), "--only", "fp8 dkdv", "--wgmma-warnings"], env=env,
-                            capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    result = _compile_kernels("--only", "fp8 dkdv", "--wgmma-warnings")
     serialised = {int(line.split("D=")[1].split()[0]) for line in result.stdout.splitlines()
                   if line.startswith("WGMMA") and "C7515" in line}
     assert serialised == {d for d, settle in configs.FP8_BWD_SETTLE_DK.items() if not settle}, result.stdout[-4000:]
