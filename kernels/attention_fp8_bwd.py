@@ -333,16 +333,12 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
     scale_m, scale_n = tiles["SCALE_M"], tiles["SCALE_N"]
     lse = lse.contiguous()
     delta = backward_delta(out, do, dlse, lse)
-    # Q's and dO's scales set the units of dK and dV: an all-zero tile reports 0, not 1. The transposed copies
-    # come from a second quantisation into that layout (same bits): one kernel storing both layouts wrote wrong
-    # bytes into one of them for float32 inputs on the H200 (triton 3.6; benchmarks/NOTES.md).
-    q8, q_scales = fp8_quantize(q, scale_m, signs=signs, empty_tile_scale=0.0)
-    q8_t = fp8_quantize(q, scale_m, signs=signs, transposed=True)[0]
-    k8, k_scales = fp8_quantize(k, scale_n, mean=k_mean, signs=signs)
-    k8_t = fp8_quantize(k, scale_n, mean=k_mean, signs=signs, transposed=True)[0]
+    # Q's and dO's scales set the units of dK and dV: an all-zero tile reports 0, not 1. Q, K and dO are needed
+    # in both layouts: one launch each writes both (one read, one rotation)
+    q8, q_scales, q8_t = fp8_quantize(q, scale_m, signs=signs, empty_tile_scale=0.0, with_transposed=True)
+    k8, k_scales, k8_t = fp8_quantize(k, scale_n, mean=k_mean, signs=signs, with_transposed=True)
     v8, v_scales = fp8_quantize(v, scale_n)
-    do8, do_scales = fp8_quantize(do, scale_m, empty_tile_scale=0.0)
-    do8_t = fp8_quantize(do, scale_m, transposed=True)[0]
+    do8, do_scales, do8_t = fp8_quantize(do, scale_m, empty_tile_scale=0.0, with_transposed=True)
     dv_unit = do_scales.view(batch * heads_kv, -1).amax(dim=1)  # (B * H_kv,): each group's dO scales, contiguous
     common = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
                   BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal,

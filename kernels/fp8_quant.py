@@ -116,13 +116,13 @@ def _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd,
 
 
 @triton.jit
-def _rotated_rows(x, signs, H, norm, norm_lo, R: tl.constexpr, BLOCK_D: tl.constexpr, METHOD: tl.constexpr,
+def _rotated_rows(x, signs, h, norm, norm_lo, R: tl.constexpr, BLOCK_D: tl.constexpr, METHOD: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """The rotated rows (x * signs) @ H_d' / sqrt(d') of x (R, BLOCK_D), fp32 holding values of OUT_DTYPE (the
     input's dtype), rounded to OUT_DTYPE as ``hadamard`` writes them and returned as fp32. How the +-1 matrix is
     applied (METHOD, ``rotate_method``):
       "butterfly": ``hadamard``'s log2(d') add/subtract stages (fp32);
-      "matmul":    one matmul with H_d' (the (BLOCK_D, BLOCK_D) matrix at H; 16 <= d' <= 128).
+      "matmul":    one matmul with h, the (BLOCK_D, BLOCK_D) matrix H_d' (``_rotation_operands``; 16 <= d' <= 128).
     The products are exact (values times +-1) and the sums fp32 (fp64 for fp64 x), so every method gives the
     butterfly's bits wherever fp32 holds the sums exactly (16-bit inputs: nearly always)."""
     xs = x * signs[None, :]
@@ -130,21 +130,32 @@ def _rotated_rows(x, signs, H, norm, norm_lo, R: tl.constexpr, BLOCK_D: tl.const
     if METHOD == "butterfly":
         y = _fwht(xs, R, BLOCK_D)
     else:
-        offs = tl.arange(0, BLOCK_D)
-        h = tl.load(H + offs[:, None] * BLOCK_D + offs[None, :])
         y = tl.dot(xs.to(OUT_DTYPE), h, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
     return _scale(y, norm, norm_lo).to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
-def _quant_rows(X, MEAN, SIGNS, H, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+def _rotation_operands(SIGNS, H, ROTATE: tl.constexpr, METHOD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(signs (BLOCK_D,) fp32, h (BLOCK_D, BLOCK_D) +-1 matrix for METHOD "matmul") of the rotation, loaded once per
+    program; placeholders where unused."""
+    signs = 0.0
+    h = 0.0
+    if ROTATE:
+        offs = tl.arange(0, BLOCK_D)
+        signs = tl.load(SIGNS + offs).to(tl.float32)
+        if METHOD == "matmul":
+            h = tl.load(H + offs[:, None] * BLOCK_D + offs[None, :])
+    return signs, h
+
+
+@triton.jit
+def _quant_rows(X, MEAN, signs, h, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, CENTRE: tl.constexpr,
                 ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """(CHUNK, BLOCK_D) fp32: what gets quantised of rows ``rows`` (``_prepared_rows``, then rotated if ROTATE)."""
     x = _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D, CENTRE)
     if ROTATE:
-        signs = tl.load(SIGNS + tl.arange(0, BLOCK_D)).to(tl.float32)
-        x = _rotated_rows(x, signs, H, norm, norm_lo, CHUNK, BLOCK_D, METHOD, DOT_PRECISION, X.dtype.element_ty)
+        x = _rotated_rows(x, signs, h, norm, norm_lo, CHUNK, BLOCK_D, METHOD, DOT_PRECISION, X.dtype.element_ty)
     return x
 
 
@@ -161,59 +172,90 @@ def _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK: tl.con
 
 
 @triton.jit
-def fp8_quantize_kernel(
-    X, MEAN, SIGNS, H, Q, S,
-    stride_xb, stride_xh, stride_xn, stride_xd,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    seq, store_rows, norm, norm_lo,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
-):
-    """One program: one tile of BLOCK_N rows of one (batch, head). Grid (cdiv(seq, BLOCK_N), H, B).
-
-    X: (B, H, seq, HEAD_DIM), any strides and float dtype. Q: (B, H, seq, D_out) float8_e4m3fn with the given
-    strides (a transposed layout is a view with stride_qn 1), D_out = BLOCK_D if ROTATE else HEAD_DIM.
-    S: (B, H, cdiv(seq, BLOCK_N)) float32, contiguous. CENTRE: subtract MEAN (B, H, HEAD_DIM) fp32 first.
-    ROTATE: then the Hadamard rotation (``hadamard``'s forward: SIGNS (BLOCK_D,), (norm, norm_lo)
-    1/sqrt(BLOCK_D) split), applied by METHOD with the +-1 matrix at H (``_rotated_rows``). A tile of more than
-    CHUNK rows is read twice, chunk by chunk, once for its amax and once to quantise (the second read mostly
-    from L2), so that registers hold CHUNK rows and not the whole tile. ZERO_SCALE_IF_EMPTY: an all-zero tile's
-    scale is stored as 0 instead of 1. Rows [0, store_rows) of Q are written (store_rows >= seq; rows past seq
-    as zeros); MMA_KEY_ORDER: in the order of ``_in_mma_key_order`` (CHUNK and store_rows multiples of 32).
-    """
-    pid_n = tl.program_id(0)
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
-    head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
-    x_base = off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+def _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn, stride_xd,
+                   stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                   CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, SECOND_COPY: tl.constexpr):
+    """Quantise tile ``tile`` (rows [tile * BLOCK_N, + BLOCK_N)) of one (batch, head) and store its scale."""
     OUT_DIM: tl.constexpr = BLOCK_D if ROTATE else HEAD_DIM
     if CHUNK == BLOCK_N:  # the whole tile in registers: one read
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        x = _quant_rows(X, MEAN, SIGNS, H, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                         norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
         amax = tl.max(tl.max(tl.abs(x), 1), 0)
         scale = _tile_scale(amax, True)
         q = _quantize_with_scale(x, scale)
         _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK, BLOCK_D, OUT_DIM, MMA_KEY_ORDER)
+        if SECOND_COPY:
+            _store_rows(t_base, q, rows, store_rows, stride_tn, stride_td, CHUNK, BLOCK_D, OUT_DIM, False)
     else:
         amax = 0.0
         for c in tl.static_range(0, BLOCK_N, CHUNK):
-            rows = pid_n * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _quant_rows(X, MEAN, SIGNS, H, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+            rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
+            x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                             norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
         scale = _tile_scale(amax, True)
         for c in tl.static_range(0, BLOCK_N, CHUNK):
-            rows = pid_n * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _quant_rows(X, MEAN, SIGNS, H, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+            rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
+            x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                             norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
-            _store_rows(q_base, _quantize_with_scale(x, scale), rows, store_rows, stride_qn, stride_qd, CHUNK,
-                        BLOCK_D, OUT_DIM, MMA_KEY_ORDER)
+            q = _quantize_with_scale(x, scale)
+            _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK, BLOCK_D, OUT_DIM, MMA_KEY_ORDER)
+            if SECOND_COPY:
+                _store_rows(t_base, q, rows, store_rows, stride_tn, stride_td, CHUNK, BLOCK_D, OUT_DIM, False)
     if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
         scale = tl.where(amax > 0.0, scale, 0.0)
-    tl.store(S + head * tl.num_programs(0) + pid_n, scale)
+    tl.store(S + head * n_tiles + tile, scale)
+
+
+@triton.jit
+def fp8_quantize_kernel(
+    X, MEAN, SIGNS, H, Q, QT, S,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_tb, stride_th, stride_tn, stride_td,
+    seq, store_rows, norm, norm_lo,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
+    CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, SECOND_COPY: tl.constexpr,
+):
+    """One program: TILES consecutive tiles of BLOCK_N rows of one (batch, head). Grid
+    (cdiv(cdiv(seq, BLOCK_N), TILES), H, B).
+
+    X: (B, H, seq, HEAD_DIM), any strides and float dtype. Q: (B, H, seq, D_out) float8_e4m3fn with the given
+    strides (a transposed layout is a view with stride_qn 1), D_out = BLOCK_D if ROTATE else HEAD_DIM.
+    S: (B, H, cdiv(seq, BLOCK_N)) float32, contiguous. CENTRE: subtract MEAN (B, H, HEAD_DIM) fp32 first.
+    ROTATE: then the Hadamard rotation (``hadamard``'s forward: SIGNS (BLOCK_D,), (norm, norm_lo)
+    1/sqrt(BLOCK_D) split), applied by METHOD with the +-1 matrix at H (``_rotated_rows``), both loaded once
+    per program. A tile of more than CHUNK rows is read twice, chunk by chunk, once for its amax and once to
+    quantise (the second read mostly from L2), so that registers hold CHUNK rows and not the whole tile.
+    ZERO_SCALE_IF_EMPTY: an all-zero tile's scale is stored as 0 instead of 1. Rows [0, store_rows) of Q are
+    written (store_rows >= seq; rows past seq as zeros); MMA_KEY_ORDER: in the order of ``_in_mma_key_order``
+    (CHUNK and store_rows multiples of 32). SECOND_COPY: the same e4m3 rows are also stored through QT's
+    strides (stride_t*: another layout of Q's shape, such as the transposed one), without MMA_KEY_ORDER.
+    """
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
+    x_base = off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    t_base = QT + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
+    n_tiles = tl.cdiv(seq, BLOCK_N)
+    signs, h = _rotation_operands(SIGNS, H, ROTATE, METHOD, BLOCK_D)
+    if TILES == 1:
+        _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tl.program_id(0), n_tiles, stride_xn,
+                       stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION, ZERO_SCALE_IF_EMPTY,
+                       MMA_KEY_ORDER, SECOND_COPY)
+    else:  # a loop, so that the compiler's pipelining loads the next tile while this one is rotated
+        first = tl.program_id(0) * TILES
+        for tile in tl.range(first, tl.minimum(first + TILES, n_tiles)):
+            _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn, stride_xd,
+                           stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo, HEAD_DIM,
+                           BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION, ZERO_SCALE_IF_EMPTY,
+                           MMA_KEY_ORDER, SECOND_COPY)
 
 
 # Elements (fp32) of one chunk of rows the quantisation kernel holds in registers at a time, at 4 warps.
@@ -227,6 +269,13 @@ QUANT_CHUNK_ELEMENTS = 16384
 # a 256 x 256 matrix does not fit in shared memory; so 256 runs the two kernels.
 FUSED_ROTATION_MAX_DIM = 128
 ROTATE_CHUNK_ELEMENTS = 16384
+# Tiles per program when rotating whole tiles, and the pipeline's stages (without, with centring): the +-1 matrix
+# and the signs are loaded once, and the compiler pipelines the next tile's load under this one's matmul.
+# Measured on the H200 (benchmarks/NOTES.md, sixteenth session; bf16 (4, 16, 4096, 128), each alone, us): one
+# tile a program Q 63.8, K centred 75.6; four tiles with 2 stages 52.5 / 64.4, with 3 stages 51.6 / 97.3 (the
+# centred kernel's 3 stages take 132 KB of shared memory: one program per SM).
+ROTATE_TILES_PER_PROGRAM = 4
+ROTATE_STAGES = {False: 3, True: 2}
 
 
 def rotate_method(dim: int) -> str:
@@ -246,7 +295,7 @@ def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
 @configs.on_input_device
 def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None,
                  signs: torch.Tensor | None = None, transposed: bool = False, empty_tile_scale: float = 1.0,
-                 mma_key_order: bool = False):
+                 mma_key_order: bool = False, with_transposed: bool = False):
     """Quantise x (B, H, N, D) to e4m3 with one fp32 scale per tile of ``block_n`` rows.
 
     Returns (q, scales): q (B, H, N, D) float8_e4m3fn, contiguous; scales (B, H, cdiv(N, block_n)) float32,
@@ -261,7 +310,18 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     ``mma_key_order`` (with ``transposed``; ``block_n`` a multiple of 32): q is (B, H, D, cdiv(N, 32) * 32) with
     the N rows (keys) permuted within each group of 32 (``_in_mma_key_order``) and the padding keys zero: V as
     the FP8 Hopper forward reads it.
+    ``with_transposed`` (not with ``transposed``): returns (q, scales, q_t), q_t the same bytes in the layout of
+    ``transposed=True``, from the same launch for 16-bit x (one read of x and one rotation for both copies, as
+    the FP8 backward needs them; two launches for float32 x).
     """
+    if with_transposed and (transposed or mma_key_order):
+        raise ValueError(f"fp8_quantize: with_transposed=True returns the row-major q and a transposed copy; "
+                         f"got transposed={transposed!r}, mma_key_order={mma_key_order!r} with it")
+    if with_transposed and x.dtype not in (torch.float16, torch.bfloat16):
+        # two launches: one storing both layouts wrote wrong bytes into one of them for float32 x on the H200
+        # (triton 3.6, 16-bit x right; benchmarks/NOTES.md), and the interpreter's bytes were right throughout
+        q, scales = fp8_quantize(x, block_n, mean=mean, signs=signs, empty_tile_scale=empty_tile_scale)
+        return q, scales, fp8_quantize(x, block_n, mean=mean, signs=signs, transposed=True)[0]
     if empty_tile_scale not in (0.0, 1.0):
         raise ValueError(f"fp8_quantize: empty_tile_scale={empty_tile_scale!r}; expected 1.0 or 0.0")
     if mma_key_order and not (transposed and block_n % 32 == 0):
@@ -285,24 +345,34 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
             x, mean, signs = hadamard(x, signs, mean=mean), None, None
             head_dim = out_dim
     store_rows = configs.cdiv(seq, 32) * 32 if mma_key_order else seq
-    if transposed:
+
+    def transposed_buffer():  # (B, H, rows, D') viewed from (B, H, D', row stride), rows contiguous
         row_stride = store_rows if mma_key_order else configs.cdiv(seq, 16) * 16  # a multiple of 16 bytes
         padded = torch.empty((batch, heads, out_dim, row_stride), device=x.device, dtype=torch.float8_e4m3fn)
-        q = padded[..., :store_rows].transpose(2, 3)
+        return padded[..., :store_rows].transpose(2, 3)
+
+    if transposed:
+        q = transposed_buffer()
     else:
         q = torch.empty((batch, heads, seq, out_dim), device=x.device, dtype=torch.float8_e4m3fn)
+    q_t = transposed_buffer() if with_transposed else q
     scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=x.device, dtype=torch.float32)
     if q.numel():
         rotate = signs is not None
         block_d = out_dim if rotate else configs.block_d(head_dim)
         method = rotate_method(block_d) if rotate else "butterfly"
-        fp8_quantize_kernel[(configs.cdiv(seq, block_n), heads, batch)](
+        chunk = quant_chunk(block_n, block_d, rotate)
+        tiles = ROTATE_TILES_PER_PROGRAM if rotate and method == "matmul" and chunk == block_n else 1
+        fp8_quantize_kernel[(configs.cdiv(configs.cdiv(seq, block_n), tiles), heads, batch)](
             x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
-            hadamard_matrix(block_d, x.dtype, x.device) if method == "matmul" else x, q, scales, *x.stride(),
-            *q.stride(), seq, store_rows, *split_scale(1.0 / math.sqrt(block_d)), HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=quant_chunk(block_n, block_d, rotate), CENTRE=mean is not None,
-            ROTATE=rotate, METHOD=method, DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32",
-            ZERO_SCALE_IF_EMPTY=empty_tile_scale == 0.0, MMA_KEY_ORDER=mma_key_order)
+            hadamard_matrix(block_d, x.dtype, x.device) if method == "matmul" else x, q, q_t, scales, *x.stride(),
+            *q.stride(), *q_t.stride(), seq, store_rows, *split_scale(1.0 / math.sqrt(block_d)), HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=chunk, TILES=tiles, CENTRE=mean is not None, ROTATE=rotate,
+            METHOD=method, DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32",
+            ZERO_SCALE_IF_EMPTY=empty_tile_scale == 0.0, MMA_KEY_ORDER=mma_key_order, SECOND_COPY=with_transposed,
+            num_stages=ROTATE_STAGES[mean is not None] if tiles > 1 else 3)
+    if with_transposed:
+        return q, scales, q_t.transpose(2, 3)
     return (q.transpose(2, 3) if transposed else q), scales
 
 

@@ -172,21 +172,26 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                         meta["SETTLE_DK"] = launch["SETTLE_DK"]
                     yield (f"fp8 {name} D={head_dim} causal={causal} even={even}", kernel, bwd_ptr, meta,
                            launch["num_warps"], launch["num_stages"])
-        quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "SIGNS": "*fp32", "H": f"*{dtype}", "Q": fp8, "S": "*fp32"}
-        # V, dO / K with smoothing / Q / K rotated and smoothed (each also with empty tiles' scale 0, as the
-        # backward's Q and dO); (128, 256) tiles in chunks
+        quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "SIGNS": "*fp32", "H": f"*{dtype}", "Q": fp8, "QT": fp8,
+                     "S": "*fp32"}
+        # V, dO / K with smoothing / Q / K rotated and smoothed, each also with empty tiles' scale 0 (as the
+        # backward's Q and dO) and with the transposed second copy (the backward's Q, K, dO); (128, 256) tiles in
+        # chunks
         rotations = (False, True) if head_dim <= fp8_quant.FUSED_ROTATION_MAX_DIM else (False, )
-        for rotate, centre, zero in itertools.product(rotations, (False, True), (False, True)):
+        for rotate, centre, zero, second in itertools.product(rotations, (False, True), (False, True), (False, True)):
             yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}{' rotated' if rotate else ''}"
-                   f"{' zero-scale' if zero else ''}", fp8_quantize_kernel, quant_ptr,
-                   dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
-                        CHUNK=fp8_quant.quant_chunk(128, head_dim, rotate), CENTRE=centre, ROTATE=rotate,
-                        METHOD=fp8_quant.rotate_method(head_dim) if rotate else "butterfly", DOT_PRECISION="tf32",
-                        ZERO_SCALE_IF_EMPTY=zero, MMA_KEY_ORDER=False), 4, 2)
+                   f"{' zero-scale' if zero else ''}{' both layouts' if second else ''}", fp8_quantize_kernel,
+                   quant_ptr, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
+                                   CHUNK=fp8_quant.quant_chunk(128, head_dim, rotate), CENTRE=centre, ROTATE=rotate,
+                                   METHOD=fp8_quant.rotate_method(head_dim) if rotate else "butterfly",
+                                   DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=zero, MMA_KEY_ORDER=False,
+                                   SECOND_COPY=second,
+                                   TILES=fp8_quant.ROTATE_TILES_PER_PROGRAM if rotate else 1),
+                   4, fp8_quant.ROTATE_STAGES[centre] if rotate else 3)
         yield (f"fp8 quantize D={head_dim} mma key order", fp8_quantize_kernel, quant_ptr,  # V for the Hopper forward
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CHUNK=fp8_quant.quant_chunk(128, head_dim),
                     CENTRE=False, ROTATE=False, METHOD="butterfly", DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=False,
-                    MMA_KEY_ORDER=True), 4, 2)
+                    MMA_KEY_ORDER=True, SECOND_COPY=False, TILES=1), 4, 3)
         yield (f"hadamard D={head_dim}", hadamard_kernel,
                {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
                dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)

@@ -120,6 +120,31 @@ def test_quantize_in_mma_key_order(shape, block_n, device):
     assert sorted(mma_key_order_ref(64).tolist()) == list(range(64))  # a permutation within groups of 32
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("chunk_elements", [16384, 512], ids=["whole_tiles", "chunked_tiles"])
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape, block_n", [((1, 2, 37, 40), 16), ((2, 1, 129, 64), 64), ((1, 1, 70, 128), 32),
+                                            ((1, 1, 1, 24), 16)], ids=str)
+def test_quantize_with_transposed_copy(shape, block_n, dtype, rotate, chunk_elements, device, monkeypatch):
+    """The FP8 backward's one launch for both layouts of Q, K and dO: the row-major bytes, the transposed copy's
+    bytes and the scales are those of two separate launches (outputs poisoned), centred and rotated as K is."""
+    monkeypatch.setattr(fp8_quant, "QUANT_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(fp8_quant, "ROTATE_CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(shape, generator=gen) * 2 + torch.randn(shape[-1], generator=gen) * 3).to(device, dtype)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # strided input
+    kwargs = dict(mean=_seq_mean(x), signs=random_signs(padded_dim(shape[-1]), seed=3, device=device) if rotate
+                  else None, empty_tile_scale=0.0)
+    q, scales, q_t = fp8_quantize(x, block_n, with_transposed=True, **kwargs)
+    ref_q, ref_scales = fp8_quantize(x, block_n, **kwargs)
+    ref_t = fp8_quantize(x, block_n, transposed=True, **kwargs)[0]
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert q_t.shape == ref_t.shape and q_t.stride() == ref_t.stride()
+    assert torch.equal(q_t.view(torch.uint8), ref_t.view(torch.uint8))
+
+
 def test_quantize_bad_input():
     with pytest.raises(ValueError, match="block_n=24"):
         fp8_quantize(torch.randn(1, 1, 4, 8), 24)
@@ -128,6 +153,8 @@ def test_quantize_bad_input():
         fp8_quantize(x, 16, mean=torch.zeros(1, 2, 32))
     with pytest.raises(ValueError, match=r"fp8_quantize: empty_tile_scale=0.5; expected 1.0 or 0.0"):
         fp8_quantize(x, 16, empty_tile_scale=0.5)
+    with pytest.raises(ValueError, match=r"with_transposed=True .* got transposed=True, mma_key_order=False"):
+        fp8_quantize(x, 16, transposed=True, with_transposed=True)
     with pytest.raises(ValueError, match=r"mma_key_order=True needs transposed=True and block_n a multiple of 32; "
                                          r"got transposed=False, block_n=32"):
         fp8_quantize(x, 32, mma_key_order=True)
