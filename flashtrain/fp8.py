@@ -154,46 +154,50 @@ def _centred(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 # code as eager mode: Inductor's own fusion of the mean would round differently, and one flipped e4m3 rounding
 # changes the result's bits.
 def _fp8_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool, fp8_backward: bool,
-             smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, q8, q_scales, k8, k_scales): the quantised (rotated) Q and K are outputs too, so that
+             smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, q8, q_scales, k8, k_scales, k_mean): the quantised (rotated) Q and K are outputs too, so that
     fp8="forward"'s backward recomputes the forward's scores from them instead of rotating and quantising
     again (non-differentiable; empty for fp8="full", whose backward quantises in its own tiles). With
-    smooth_k, the kernels see ``_centred(k)`` and lse is the LSE of those scores."""
+    smooth_k, the kernels see ``_centred(k)`` and lse is the LSE of those scores; k_mean, ``_seq_mean(k)``
+    (empty without smooth_k), is an output for fp8="full"'s backward, which centres K again."""
     # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation (and the centring)
     signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
-    out, lse, quantized = attention_fp8_fwd(q, k, v, causal, scale, signs, _seq_mean(k) if smooth_k else None)
+    k_mean = _seq_mean(k) if smooth_k else None
+    out, lse, quantized = attention_fp8_fwd(q, k, v, causal, scale, signs, k_mean)
     if fp8_backward:
         quantized = tuple(q.new_empty(0, dtype=t.dtype) for t in quantized)
-    return out, lse, *quantized
+    return out, lse, *quantized, q.new_empty(0, dtype=torch.float32) if k_mean is None else k_mean
 
 
 @torch.library.custom_op("flashtrain::attention_fp8_fwd", mutates_args=())
 def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool,
-                          fp8_backward: bool, smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                          fp8_backward: bool, smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                       Tensor]:
     return _fp8_fwd(q, k, v, causal, scale, rotate, fp8_backward, smooth_k)
 
 
 @_attention_fp8_fwd_op.register_fake
 def _(q, k, v, causal, scale, rotate, fp8_backward, smooth_k):
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    k_mean = q.new_empty((*k.shape[:2], k.shape[3]) if smooth_k else (0, ), dtype=torch.float32)
     if fp8_backward:
-        return out, lse, *(q.new_empty(0, dtype=dt) for dt in (torch.float8_e4m3fn, torch.float32) * 2)
+        return out, lse, *(q.new_empty(0, dtype=dt) for dt in (torch.float8_e4m3fn, torch.float32) * 2), k_mean
     qk_dim = padded_dim(q.shape[-1]) if rotate else q.shape[-1]
     quantized = []
     for x, block in zip((q, k), fp8_tiles(q, k)):
         batch, heads, seq = x.shape[:3]
         quantized += [x.new_empty((batch, heads, seq, qk_dim), dtype=torch.float8_e4m3fn),
                       x.new_empty((batch, heads, cdiv(seq, block)), dtype=torch.float32)]
-    return out, lse, *quantized
+    return out, lse, *quantized, k_mean
 
 
 def _fp8_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
-             causal: bool, scale: float, rotate: bool, smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
+             causal: bool, scale: float, rotate: bool, smooth_k: bool, k_mean: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py); dQ and dK are rotated back, and with
-    smooth_k K is smoothed as in the forward (same bits) and dK passes back through the centring."""
+    smooth_k K is smoothed as in the forward (with the forward's k_mean: same bits) and dK passes back through
+    the centring."""
     signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
-    dq, dk, dv = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, signs,
-                                   _seq_mean(k) if smooth_k else None)
+    dq, dk, dv = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, signs, k_mean if smooth_k else None)
     # fp32 dq, dk rounded once to the inputs' dtypes, by the last pass that reads them (dv comes in v's dtype)
     if rotate:  # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), cut to head_dim
         dq = hadamard(dq, signs, inverse=True, out_dim=q.shape[-1], out_dtype=q.dtype)
@@ -205,13 +209,13 @@ def _fp8_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 
 @torch.library.custom_op("flashtrain::attention_fp8_bwd", mutates_args=())
 def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          dlse: Tensor | None, causal: bool, scale: float, rotate: bool,
-                          smooth_k: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k)
+                          dlse: Tensor | None, causal: bool, scale: float, rotate: bool, smooth_k: bool,
+                          k_mean: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean)
 
 
 @_attention_fp8_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k):  # the kernels' outputs are contiguous
+def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean):  # the kernels' outputs are contiguous
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -262,10 +266,10 @@ def _(dout, q8, q_scales, k8, k_scales, v, out, lse, dlse, causal, scale, rotate
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, rotate, fp8_backward, smooth_k = inputs
-    out, lse, *quantized = output
-    ctx.mark_non_differentiable(*quantized)
-    if fp8_backward:  # the FP8 backward quantises Q, K, V and dO in its own tiles
-        ctx.save_for_backward(q, k, v, out, lse)
+    out, lse, *quantized, k_mean = output
+    ctx.mark_non_differentiable(*quantized, k_mean)
+    if fp8_backward:  # the FP8 backward quantises Q, K, V and dO in its own tiles (K centred by k_mean)
+        ctx.save_for_backward(q, k, v, out, lse, k_mean)
     else:  # the forward's FP8 Q and K (half the bytes of Q and K), for its scores
         ctx.save_for_backward(*quantized, v, out, lse)
         ctx.tiles = fp8_tiles(q, k)
@@ -277,8 +281,9 @@ def _backward_with(full_bwd, forward_bwd, ctx, dout, dlse2):
     kernels (``full_bwd``). Each is the custom op (compiled graphs) or its plain function (eager mode)."""
     dlse = kernel_dlse(dlse2)
     if ctx.fp8_backward:
-        q, k, v, out, lse2 = ctx.saved_tensors
-        dq, dk, dv = full_bwd(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate, ctx.smooth_k)
+        q, k, v, out, lse2, k_mean = ctx.saved_tensors
+        dq, dk, dv = full_bwd(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate, ctx.smooth_k,
+                              k_mean)
     else:
         q8, q_scales, k8, k_scales, v, out, lse2 = ctx.saved_tensors
         dq, dk, dv = forward_bwd(dout, q8, q_scales, k8, k_scales, v, out, lse2, dlse, ctx.causal, ctx.scale,

@@ -147,6 +147,21 @@ def test_forward_mode_saves_the_fp8_q_and_k(mode, saved_fp8, device):
     torch.autograd.grad(out.sum(), (q, k, v))  # and the backward runs from them
 
 
+def test_full_backward_reuses_the_forwards_key_mean(device, monkeypatch):
+    """K smoothing's mean of the keys is taken once for a forward and "full" backward: the backward centres K
+    with the forward's (an output of the op), the same bits as taking it again."""
+    from flashtrain import fp8
+    q, k, v = make((1, 2, 1, 37, 45, 40), device, requires_grad=True)
+    dout = make((1, 2, 2, 37, 45, 40), device, seed=1)[0]
+    ref = torch.autograd.grad(flash_attention(q, k, v, fp8="full"), (q, k, v), dout)
+    calls = []
+    real = fp8._seq_mean
+    monkeypatch.setattr(fp8, "_seq_mean", lambda x: calls.append(x.data_ptr()) or real(x))
+    grads = torch.autograd.grad(flash_attention(q, k, v, fp8="full"), (q, k, v), dout)
+    assert calls.count(k.data_ptr()) == 1  # (the backward's centring of dK takes dK's mean)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+
+
 @pytest.mark.usefixtures("poison_allocations")
 @SCHEMES
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
