@@ -334,7 +334,7 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
     lse = lse.contiguous()
     delta = backward_delta(out, do, dlse, lse)
     # Q's and dO's scales set the units of dK and dV: an all-zero tile reports 0, not 1. Q, K and dO are needed
-    # in both layouts: one launch each writes both (one read, one rotation)
+    # in both layouts: one launch each writes both for 16-bit inputs (one read, one rotation; two for float32)
     q8, q_scales, q8_t = fp8_quantize(q, scale_m, signs=signs, empty_tile_scale=0.0, with_transposed=True)
     k8, k_scales, k8_t = fp8_quantize(k, scale_n, mean=k_mean, signs=signs, with_transposed=True)
     v8, v_scales = fp8_quantize(v, scale_n)

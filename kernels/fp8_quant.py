@@ -172,6 +172,16 @@ def _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK: tl.con
 
 
 @triton.jit
+def _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td,
+                  CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, OUT_DIM: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
+                  SECOND_COPY: tl.constexpr):
+    """``_store_rows`` into Q (stride_q*), and if SECOND_COPY the same rows into QT (stride_t*, not permuted)."""
+    _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK, BLOCK_D, OUT_DIM, MMA_KEY_ORDER)
+    if SECOND_COPY:
+        _store_rows(t_base, q, rows, store_rows, stride_tn, stride_td, CHUNK, BLOCK_D, OUT_DIM, False)
+
+
+@triton.jit
 def _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn, stride_xd,
                    stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
@@ -186,9 +196,8 @@ def _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_t
         amax = tl.max(tl.max(tl.abs(x), 1), 0)
         scale = _tile_scale(amax, True)
         q = _quantize_with_scale(x, scale)
-        _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK, BLOCK_D, OUT_DIM, MMA_KEY_ORDER)
-        if SECOND_COPY:
-            _store_rows(t_base, q, rows, store_rows, stride_tn, stride_td, CHUNK, BLOCK_D, OUT_DIM, False)
+        _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
+                      BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
     else:
         amax = 0.0
         for c in tl.static_range(0, BLOCK_N, CHUNK):
@@ -202,9 +211,8 @@ def _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_t
             x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                             norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
             q = _quantize_with_scale(x, scale)
-            _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK, BLOCK_D, OUT_DIM, MMA_KEY_ORDER)
-            if SECOND_COPY:
-                _store_rows(t_base, q, rows, store_rows, stride_tn, stride_td, CHUNK, BLOCK_D, OUT_DIM, False)
+            _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
+                          BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
     if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
         scale = tl.where(amax > 0.0, scale, 0.0)
     tl.store(S + head * n_tiles + tile, scale)
