@@ -300,6 +300,16 @@ def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
     return max(1, min(block_n, QUANT_CHUNK_ELEMENTS // block_d))
 
 
+def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool) -> dict:
+    """The quantisation kernel's METHOD, CHUNK and TILES and its num_stages for tiles of (block_n, block_d): what
+    ``fp8_quantize`` launches and scripts/compile_kernels.py compiles. Several tiles a program only where whole
+    tiles are rotated by a matmul; num_stages 3 (Triton's default) elsewhere."""
+    method = rotate_method(block_d) if rotate else "butterfly"
+    chunk = quant_chunk(block_n, block_d, rotate)
+    tiles = ROTATE_TILES_PER_PROGRAM if rotate and method == "matmul" and chunk == block_n else 1
+    return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_stages=ROTATE_STAGES[centre] if tiles > 1 else 3)
+
+
 @configs.on_input_device
 def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None,
                  signs: torch.Tensor | None = None, transposed: bool = False, empty_tile_scale: float = 1.0,
@@ -368,17 +378,15 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     if q.numel():
         rotate = signs is not None
         block_d = out_dim if rotate else configs.block_d(head_dim)
-        method = rotate_method(block_d) if rotate else "butterfly"
-        chunk = quant_chunk(block_n, block_d, rotate)
-        tiles = ROTATE_TILES_PER_PROGRAM if rotate and method == "matmul" and chunk == block_n else 1
-        fp8_quantize_kernel[(configs.cdiv(configs.cdiv(seq, block_n), tiles), heads, batch)](
+        launch = quant_launch(block_n, block_d, rotate, mean is not None)
+        fp8_quantize_kernel[(configs.cdiv(configs.cdiv(seq, block_n), launch["TILES"]), heads, batch)](
             x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
-            hadamard_matrix(block_d, x.dtype, x.device) if method == "matmul" else x, q, q_t, scales, *x.stride(),
-            *q.stride(), *q_t.stride(), seq, store_rows, *split_scale(1.0 / math.sqrt(block_d)), HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=chunk, TILES=tiles, CENTRE=mean is not None, ROTATE=rotate,
-            METHOD=method, DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32",
+            hadamard_matrix(block_d, x.dtype, x.device) if launch["METHOD"] == "matmul" else x, q, q_t, scales,
+            *x.stride(), *q.stride(), *q_t.stride(), seq, store_rows, *split_scale(1.0 / math.sqrt(block_d)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, CENTRE=mean is not None, ROTATE=rotate,
+            DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32",
             ZERO_SCALE_IF_EMPTY=empty_tile_scale == 0.0, MMA_KEY_ORDER=mma_key_order, SECOND_COPY=with_transposed,
-            num_stages=ROTATE_STAGES[mean is not None] if tiles > 1 else 3)
+            **launch)
     if with_transposed:
         return q, scales, q_t.transpose(2, 3)
     return (q.transpose(2, 3) if transposed else q), scales

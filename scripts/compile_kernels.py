@@ -179,19 +179,18 @@ def fp8_jobs(dtype="bf16", target_arch=90):
         # chunks
         rotations = (False, True) if head_dim <= fp8_quant.FUSED_ROTATION_MAX_DIM else (False, )
         for rotate, centre, zero, second in itertools.product(rotations, (False, True), (False, True), (False, True)):
+            launch = fp8_quant.quant_launch(128, head_dim, rotate, centre)
+            stages = launch.pop("num_stages")
             yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}{' rotated' if rotate else ''}"
                    f"{' zero-scale' if zero else ''}{' both layouts' if second else ''}", fp8_quantize_kernel,
-                   quant_ptr, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
-                                   CHUNK=fp8_quant.quant_chunk(128, head_dim, rotate), CENTRE=centre, ROTATE=rotate,
-                                   METHOD=fp8_quant.rotate_method(head_dim) if rotate else "butterfly",
+                   quant_ptr, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=centre, ROTATE=rotate,
                                    DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=zero, MMA_KEY_ORDER=False,
-                                   SECOND_COPY=second,
-                                   TILES=fp8_quant.ROTATE_TILES_PER_PROGRAM if rotate else 1),
-                   4, fp8_quant.ROTATE_STAGES[centre] if rotate else 3)
+                                   SECOND_COPY=second, **launch), 4, stages)
+        launch = fp8_quant.quant_launch(128, head_dim, False, False)
+        stages = launch.pop("num_stages")
         yield (f"fp8 quantize D={head_dim} mma key order", fp8_quantize_kernel, quant_ptr,  # V for the Hopper forward
-               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CHUNK=fp8_quant.quant_chunk(128, head_dim),
-                    CENTRE=False, ROTATE=False, METHOD="butterfly", DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=False,
-                    MMA_KEY_ORDER=True, SECOND_COPY=False, TILES=1), 4, 3)
+               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=False, ROTATE=False, DOT_PRECISION="tf32",
+                    ZERO_SCALE_IF_EMPTY=False, MMA_KEY_ORDER=True, SECOND_COPY=False, **launch), 4, stages)
         yield (f"hadamard D={head_dim}", hadamard_kernel,
                {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
                dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)
