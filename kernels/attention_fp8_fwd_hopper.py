@@ -24,11 +24,12 @@ wgmma's accumulator gives thread t of a quad the columns 8c + 2t + {0, 1} of eac
 from that thread the k indices 16h + 4t + {0..3}: a plain layout conversion is a cross-thread shuffle. The sum
 over keys does not care about their order, so V^T comes with the keys of each group of 32 permuted to match
 (``fp8_quantize(..., mma_key_order=True)``, ``fp8_quant._in_mma_key_order``), and P's columns are relabelled in
-registers only (``_p_as_operand``). P stays in fp32 until just before its wgmma (``_e4m3``): an e4m3 P carried
-into the next step is kept by the compiler as one byte per register, unpacked after the conversion and packed
-again for the wgmma, while the fp32 registers are live either way. Read from the sm_90 SASS at head_dim 128,
-the inner loop's instructions per step: 720 before, 673 without the shuffle, 485 with P also kept in fp32
-(benchmarks/NOTES.md).
+registers only (``_p_as_operand``). P is rounded to e4m3 once the previous block's P V has completed, and
+carried into the next step packed, four keys to a 32-bit register (``_pack_e4m3`` / ``_unpack_e4m3``): an e4m3
+tensor carried across the loop is kept by the compiler one byte per register, unpacked after the conversion and
+packed again for the wgmma, and P kept in fp32 until its wgmma holds 4x the registers while the next scores'
+wgmma is in flight. Read from the sm_90 SASS at head_dim 128, the inner loop's instructions per step: 720 with
+the shuffle, 673 without, 485 with P carried in fp32, 464 packed (benchmarks/NOTES.md).
 
 Per key block a warpgroup's work splits as in ``attention_fwd_hopper``: stage 1 (off-band) without masks,
 stage 2 (on-band: the diagonal and the ragged tail of seq_k) masked. ``attention_fp8_fwd`` dispatches here
@@ -82,13 +83,28 @@ def _p_as_operand(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _e4m3(p):
-    """P448 (fp32, A-operand layout) to e4m3, four values to a register as the wgmma reads them; rounded to
-    nearest even and saturating (``cvt.rn.satfinite``: what ``.to(gl.float8e4nv)`` emits, here without the
-    compiler's unpacking into bytes)."""
+def _pack_e4m3(p, BLOCK_N: gl.constexpr):
+    """P448 (64, BLOCK_N) fp32 in the A-operand layout to e4m3, rounded to nearest even and saturating
+    (``cvt.rn.satfinite``: what ``.to(gl.float8e4nv)`` emits): (64, BLOCK_N // 4) int32, each register the four
+    consecutive k indices a thread holds, lowest index in the low byte (the layout the wgmma reads)."""
+    # k index 4i + 2a + b at [:, i, a, b]; split takes the last dim
+    even, odd = gl.split(gl.reshape(p, [WG_ROWS, BLOCK_N // 4, 2, 2]))
+    k0, k2 = gl.split(even)
+    k1, k3 = gl.split(odd)
     return gl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-        "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+        "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [k0, k1, k2, k3], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _unpack_e4m3(x, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``_pack_e4m3``'s registers as the (64, BLOCK_N) e4m3 A operand in ``p_layout``, without moving a byte:
+    each register is broadcast to its four k indices and handed to the wgmma as it is."""
+    x = gl.join(x, x)
+    x = gl.reshape(gl.join(x, x), [WG_ROWS, BLOCK_N])
+    x = gl.convert_layout(x, p_layout, assert_trivial=True)
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True,
+                                     pack=4)
 
 
 @gluon.jit
@@ -99,7 +115,7 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_sme
                        s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [lo, hi). Step j: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together, the softmax of
     S_j under the latter, slot j - 1 handed back, then acc rescaled for m_j and to V tile j's units. Returns
-    the state after block hi - 1 (p: its P448 in fp32, not yet times V; vs_prev: its V tile's scale)."""
+    the state after block hi - 1 (p: its P448 packed as e4m3, not yet times V; vs_prev: its V tile's scale)."""
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     for j in range(lo, hi):
@@ -111,12 +127,16 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_sme
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         _wait_turn(j, WG, PINGPONG)
         s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(_e4m3(p), vt_smem.index(prev).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(prev).permute((1, 0)), acc,
+                            is_async=True)
         _pass_turn(j, n_blocks, WG, CONSUMERS, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # groups complete in order: S_j first
         p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, rows, j * BLOCK_N, seq_k, causal_offset, c, MASK,
                                                CAUSAL, s_layout, p_layout, BLOCK_N)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # rounded only now: rewriting the packed registers while P_{j-1} V_{j-1} reads them serialises every
+        # wgmma (ptxas C7513)
+        p = _pack_e4m3(p, BLOCK_N)
         mbarrier.arrive(empty.index(prev), count=1)
         # to units of V tile j's scale, rescaled for m_j: both factors per row, the ratio exact (powers of two)
         acc = acc * gl.convert_layout(alpha * (vs_prev / vs), row_o)[:, None]
@@ -164,6 +184,7 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
     else:
         p, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, True, CAUSAL, s_layout,
                                            p_layout, BLOCK_N)
+    p = _pack_e4m3(p, BLOCK_N)
     # stage 1: off-band, no mask; stage 2: on-band, masked
     p, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
         1, n_free, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS, kv_tile0,
@@ -174,7 +195,7 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
         KS, VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, True, CAUSAL, WG, CONSUMERS, PINGPONG,
         STAGES, BLOCK_N, KV_TILE, s_layout, o_layout, p_layout)
     last = (n_blocks - 1) % STAGES
-    acc = warpgroup_mma(_e4m3(p), vt_smem.index(last).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(last).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index(last), count=1)
 
@@ -187,7 +208,10 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
     gl.store(LSE + lse_row0 + rows, m_i + gl.log2(l_i) - LOG2_448, mask=rows < seq_q)
 
 
-@gluon.jit
+# seq_q and seq_k are never specialised: Triton would fold a length of 1 into a constant, and that kernel (no loop
+# left, every mask known) wrote NaN outputs on the H200 for some forms of this softmax step while the looped form
+# passed at every other length (benchmarks/NOTES.md, fifteenth and seventeenth sessions).
+@gluon.jit(do_not_specialize=["seq_q", "seq_k"])
 def attention_fp8_fwd_hopper_kernel(
     Q8, QS, K8, KS, VT8, VS, O, LSE,
     stride_qb, stride_qh, stride_qm,

@@ -54,12 +54,13 @@ DIVISIBLE_16 = [["tt.divisibility", 16]]
 def specialization(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:
     """What Triton's launcher would specialise on for a typical aligned launch (contiguous bf16 tensors, head
     dims and sequence lengths multiples of 16): pointers and the other strides and lengths divisible by 16,
-    the unit last-dim strides folded to the constant 1. Without this the compiler cannot prove alignment and
-    does not pipeline the loads (no cp.async), so register and shared-memory figures would be off.
+    the unit last-dim strides folded to the constant 1; nothing for the kernel's ``do_not_specialize``
+    arguments. Without this the compiler cannot prove alignment and does not pipeline the loads (no
+    cp.async), so register and shared-memory figures would be off.
     Returns (attrs, extra constants)."""
     attrs, ones = {}, {}
     for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
+        if name in constexprs or name in kernel.do_not_specialize:
             continue
         if name in pointers:
             attrs[(i,)] = DIVISIBLE_16
