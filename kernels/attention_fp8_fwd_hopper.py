@@ -25,11 +25,11 @@ from that thread the k indices 16h + 4t + {0..3}: a plain layout conversion is a
 over keys does not care about their order, so V^T comes with the keys of each group of 32 permuted to match
 (``fp8_quantize(..., mma_key_order=True)``, ``fp8_quant._in_mma_key_order``), and P's columns are relabelled in
 registers only (``_p_as_operand``). P is rounded to e4m3 once the previous block's P V has completed, and
-carried into the next step packed, four keys to a 32-bit register (``_pack_e4m3`` / ``_unpack_e4m3``): an e4m3
-tensor carried across the loop is kept by the compiler one byte per register, unpacked after the conversion and
-packed again for the wgmma, and P kept in fp32 until its wgmma holds 4x the registers while the next scores'
-wgmma is in flight. Read from the sm_90 SASS at head_dim 128, the inner loop's instructions per step: 720 with
-the shuffle, 673 without, 485 with P carried in fp32, 464 packed (benchmarks/NOTES.md).
+carried into the next step packed, four keys to a 32-bit register (``_pack_e4m3`` / ``_unpack_e4m3``). Carried
+as an e4m3 tensor, it would be kept by the compiler one byte per register (unpacked after the conversion, packed
+again for the wgmma); carried in fp32 up to its wgmma, it would hold four times the registers while the next
+scores' wgmma is in flight. Read from the sm_90 SASS at head_dim 128, the inner loop's instructions per step:
+720 with the shuffle, 673 without, 485 with P carried in fp32, 464 packed (benchmarks/NOTES.md).
 
 Per key block a warpgroup's work splits as in ``attention_fwd_hopper``: stage 1 (off-band) without masks,
 stage 2 (on-band: the diagonal and the ragged tail of seq_k) masked. ``attention_fp8_fwd`` dispatches here
@@ -103,6 +103,7 @@ def _unpack_e4m3(x, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     x = gl.join(x, x)
     x = gl.reshape(gl.join(x, x), [WG_ROWS, BLOCK_N])
     x = gl.convert_layout(x, p_layout, assert_trivial=True)
+    # $1-$4 are the same register; the compiler folds the move into the wgmma's operand
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True,
                                      pack=4)
 
