@@ -39,3 +39,10 @@ def test_fp8_dkdv_wgmmas_pipelined_where_settled():
     serialised = {int(line.split("D=")[1].split()[0]) for line in result.stdout.splitlines()
                   if line.startswith("WGMMA") and "C7515" in line}
     assert serialised == {d for d, settle in configs.FP8_BWD_SETTLE_DK.items() if not settle}, result.stdout[-4000:]
+
+
+def test_fp8_hopper_forward_wgmmas_pipelined():
+    """The FP8 Hopper forward rounds P into its packed registers only after the previous P V's wgmma has
+    completed; rounded earlier, ptxas serialises every wgmma of the kernel (C7513, benchmarks/NOTES.md)."""
+    result = _compile_kernels("--only", "fp8 fwd hopper", "--wgmma-warnings")
+    assert "4/4 kernels compiled" in result.stdout and "WGMMA" not in result.stdout, result.stdout[-4000:]
