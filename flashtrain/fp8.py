@@ -16,9 +16,9 @@ Numerics:
   = Q K^T in exact arithmetic; in FP8 it spreads outlier channels over all channels, so per-tile scales are
   set by typical values rather than by the outlier. The rotated values are rounded to the input dtype before
   they are quantised. Where Q and K are rotated and quantised (the forward, ``fp8="full"``'s backward) the
-  rotation runs inside the quantisation kernel up to d' = 128 (a matmul with the +-1 matrix: exact products,
-  fp32 sums), and at d' = 256 in a fast Walsh-Hadamard transform kernel (``flashtrain.kernels.hadamard``,
-  O(d log d)) before it, where that measured faster; the two give the same bits wherever fp32 holds the sums
+  rotation runs inside the quantisation kernel, as matmuls with the +-1 matrix (exact products, fp32 sums; at
+  d' = 256 two with H_128, H_256 = [[H_128, H_128], [H_128, -H_128]]); that gives the bits of the fast
+  Walsh-Hadamard transform kernel (``flashtrain.kernels.hadamard``, O(d log d)) wherever fp32 holds the sums
   exactly (16-bit inputs: nearly always). The inverse (dQ and dK back, the gradient) uses the transform kernel.
 * K smoothing (``smooth_k``, on by default): before the rotation and the quantisation, K loses its mean over
   the sequence (per batch and KV head, computed in fp32, the difference rounded to the input dtype). Each

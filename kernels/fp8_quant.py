@@ -14,8 +14,8 @@ CPU interpreter's own fp32->e4m3 conversion drops the rounding carry (1.98 -> 1.
 first rounds onto the e4m3 grid in software and the cast then only meets representable values.
 
 The same kernel can first centre the rows (K smoothing), rotate them (the Hadamard rotation of incoherent
-processing, up to width FUSED_ROTATION_MAX_DIM; wider ones run ``hadamard``'s kernel first), and write its
-output in any layout, such as V transposed for the FP8 forward: one read of x and one write of its e4m3 bytes.
+processing, by matmuls with the +-1 matrix: ``_rotated_rows``), and write its output in any layout, such as V
+transposed for the FP8 forward: one read of x and one write of its e4m3 bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import configs
 from .attention_fwd import _scale, split_scale
-from .hadamard import _fwht, check_mean, hadamard, hadamard_matrix, padded_dim
+from .hadamard import _fwht, check_mean, hadamard_matrix, padded_dim
 
 E4M3_MAX = 448.0
 
@@ -122,13 +122,23 @@ def _rotated_rows(x, signs, h, norm, norm_lo, R: tl.constexpr, BLOCK_D: tl.const
     input's dtype), rounded to OUT_DTYPE as ``hadamard`` writes them and returned as fp32. How the +-1 matrix is
     applied (METHOD, ``rotate_method``):
       "butterfly": ``hadamard``'s log2(d') add/subtract stages (fp32);
-      "matmul":    one matmul with h, the (BLOCK_D, BLOCK_D) matrix H_d' (``_rotation_operands``; 16 <= d' <= 128).
+      "matmul":    one matmul with h, the (BLOCK_D, BLOCK_D) matrix H_d' (``_rotation_operands``; 16 <= d' <= 128);
+      "halves":    H_d' = [[H, H], [H, -H]] with H = H_{d'/2} in h: each half of the row times h (two matmuls,
+                   the products exact in x's dtype), then their sum and difference in fp32 (d' = 256, where
+                   H_d' takes 128 KB in bf16 and H_{d'/2} 32 KB).
     The products are exact (values times +-1) and the sums fp32 (fp64 for fp64 x), so every method gives the
     butterfly's bits wherever fp32 holds the sums exactly (16-bit inputs: nearly always)."""
     xs = x * signs[None, :]
     acc_dtype: tl.constexpr = tl.float64 if OUT_DTYPE == tl.float64 else tl.float32
     if METHOD == "butterfly":
         y = _fwht(xs, R, BLOCK_D)
+    elif METHOD == "halves":
+        # [x1, x2] H_d' = [(x1 + x2) H, (x1 - x2) H] = [x1 H + x2 H, x1 H - x2 H]: the sums after the matmuls,
+        # whose inputs then stay exact in x's dtype
+        x1, x2 = tl.split(tl.permute(tl.reshape(xs.to(OUT_DTYPE), (R, 2, BLOCK_D // 2)), (0, 2, 1)))
+        y1 = tl.dot(x1, h, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
+        y2 = tl.dot(x2, h, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
+        y = tl.reshape(tl.permute(tl.join(y1 + y2, y1 - y2), (0, 2, 1)), (R, BLOCK_D))
     else:
         y = tl.dot(xs.to(OUT_DTYPE), h, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
     return _scale(y, norm, norm_lo).to(OUT_DTYPE).to(tl.float32)
@@ -136,8 +146,8 @@ def _rotated_rows(x, signs, h, norm, norm_lo, R: tl.constexpr, BLOCK_D: tl.const
 
 @triton.jit
 def _rotation_operands(SIGNS, H, ROTATE: tl.constexpr, METHOD: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(signs (BLOCK_D,) fp32, h (BLOCK_D, BLOCK_D) +-1 matrix for METHOD "matmul") of the rotation, loaded once per
-    program; placeholders where unused."""
+    """(signs (BLOCK_D,) fp32, h: the +-1 matrix, (BLOCK_D, BLOCK_D) for METHOD "matmul", (BLOCK_D / 2, BLOCK_D / 2)
+    for "halves") of the rotation, loaded once per program; placeholders where unused."""
     signs = 0.0
     h = 0.0
     if ROTATE:
@@ -145,6 +155,9 @@ def _rotation_operands(SIGNS, H, ROTATE: tl.constexpr, METHOD: tl.constexpr, BLO
         signs = tl.load(SIGNS + offs).to(tl.float32)
         if METHOD == "matmul":
             h = tl.load(H + offs[:, None] * BLOCK_D + offs[None, :])
+        elif METHOD == "halves":
+            half = tl.arange(0, BLOCK_D // 2)
+            h = tl.load(H + half[:, None] * (BLOCK_D // 2) + half[None, :])
     return signs, h
 
 
@@ -270,12 +283,9 @@ def fp8_quantize_kernel(
 # Read from the sm_90 compile (ptxas -v): a (128, 256) tile whole spills 188 bytes at 255 registers; a
 # (128, 128) tile takes 168 registers and no spills, and so do (64, 256) chunks.
 QUANT_CHUNK_ELEMENTS = 16384
-# Rotated tiles: the widest rotation fused into the quantisation, and the elements of a chunk of rows. Measured on
-# the H200 (benchmarks/NOTES.md, twelfth session; bf16 (4, 16, 4096, 128)): Q fused by matmul in whole 128-row
-# tiles 0.065 ms, the Hadamard kernel then the quantisation 0.077 ms, a copy 0.037 ms. At width 256 the fused
-# forms were slower than the two kernels (butterfly 0.20 ms, two 16 x 16 matmuls 0.37 ms, against 0.084 ms), and
-# a 256 x 256 matrix does not fit in shared memory; so 256 runs the two kernels.
-FUSED_ROTATION_MAX_DIM = 128
+# Rotated tiles: the elements of a chunk of rows. The rotation is fused into the quantisation at every width.
+# Measured on the H200 (benchmarks/NOTES.md, twelfth session; bf16 (4, 16, 4096, 128)): Q fused by matmul in whole
+# 128-row tiles 0.065 ms, the Hadamard kernel then the quantisation 0.077 ms, a copy 0.037 ms.
 ROTATE_CHUNK_ELEMENTS = 16384
 # Tiles per program when rotating whole tiles, and the pipeline's stages (without, with centring): the +-1 matrix
 # and the signs are loaded once, and the compiler pipelines the next tile's load under this one's matmul.
@@ -284,12 +294,22 @@ ROTATE_CHUNK_ELEMENTS = 16384
 # centred kernel's 3 stages take 132 KB of shared memory: one program per SM).
 ROTATE_TILES_PER_PROGRAM = 4
 ROTATE_STAGES = {False: 3, True: 2}
+# The rotation by halves (width 256): rows a chunk, tiles a program, warps and stages. Read from the sm_90 compile
+# (ptxas -v): at 4 warps every chunk size spills (140-2500 bytes); at 8 warps chunks of 64 rows and whole
+# (128-row) tiles take 253-255 registers and no spills. Measured on the H200 (benchmarks/NOTES.md, eighteenth
+# session; bf16 (4, 8, 4096, 256), two rounds, us), against the Hadamard kernel then the quantisation (the
+# earlier form at this width): Q 83.6 / 81.7 and 76.2 with whole tiles, 4 a program, 2 stages; 92-93 in chunks
+# of 64; K centred 92.2 / 90.6 and 85.3. The FP8 forward's GPU time: 846-851 -> 833-835 us, causal 618-620 -> 603.
+HALVES_LAUNCH = dict(CHUNK=128, TILES=4, num_warps=8, num_stages=2)
 
 
 def rotate_method(dim: int) -> str:
-    """How ``fp8_quantize`` applies a fused rotation of width ``dim``: a matmul, or the butterfly below 16
-    (Triton's matmuls reduce over at least 16)."""
-    return "matmul" if dim >= 16 else "butterfly"
+    """How ``fp8_quantize`` applies a fused rotation of width ``dim`` (``_rotated_rows``): a matmul up to 128,
+    two matmuls with the half-width matrix at 256, the butterfly below 16 (Triton's matmuls reduce over at least
+    16)."""
+    if dim < 16:
+        return "butterfly"
+    return "matmul" if dim <= 128 else "halves"
 
 
 def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
@@ -301,13 +321,19 @@ def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
 
 
 def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool) -> dict:
-    """The quantisation kernel's METHOD, CHUNK and TILES and its num_stages for tiles of (block_n, block_d): what
-    ``fp8_quantize`` launches and scripts/compile_kernels.py compiles. Several tiles a program only where whole
-    tiles are rotated by a matmul; num_stages 3 (Triton's default) elsewhere."""
+    """The quantisation kernel's METHOD, CHUNK and TILES and its num_warps and num_stages for tiles of (block_n,
+    block_d): what ``fp8_quantize`` launches and scripts/compile_kernels.py compiles. Several tiles a program only
+    where whole tiles are rotated by a matmul; 4 warps and num_stages 3 (Triton's defaults) elsewhere."""
     method = rotate_method(block_d) if rotate else "butterfly"
+    if method == "halves":
+        chunk = min(block_n, HALVES_LAUNCH["CHUNK"])
+        tiles = HALVES_LAUNCH["TILES"] if chunk == block_n else 1
+        return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=HALVES_LAUNCH["num_warps"],
+                    num_stages=HALVES_LAUNCH["num_stages"])
     chunk = quant_chunk(block_n, block_d, rotate)
     tiles = ROTATE_TILES_PER_PROGRAM if rotate and method == "matmul" and chunk == block_n else 1
-    return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_stages=ROTATE_STAGES[centre] if tiles > 1 else 3)
+    return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=4,
+                num_stages=ROTATE_STAGES[centre] if tiles > 1 else 3)
 
 
 @configs.on_input_device
@@ -359,9 +385,6 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         if signs.shape != (out_dim, ):
             raise ValueError(f"fp8_quantize: signs has shape {tuple(signs.shape)}; expected ({out_dim},) for "
                              f"head_dim {head_dim}")
-        if out_dim > FUSED_ROTATION_MAX_DIM:  # the Hadamard kernel first (faster there; see the constant)
-            x, mean, signs = hadamard(x, signs, mean=mean), None, None
-            head_dim = out_dim
     store_rows = configs.cdiv(seq, 32) * 32 if mma_key_order else seq
 
     def transposed_buffer():  # (B, H, rows, D') viewed from (B, H, D', row stride), rows contiguous
@@ -381,7 +404,7 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         launch = quant_launch(block_n, block_d, rotate, mean is not None)
         fp8_quantize_kernel[(configs.cdiv(configs.cdiv(seq, block_n), launch["TILES"]), heads, batch)](
             x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
-            hadamard_matrix(block_d, x.dtype, x.device) if launch["METHOD"] == "matmul" else x, q, q_t, scales,
+            rotation_matrix(launch["METHOD"], block_d, x), q, q_t, scales,
             *x.stride(), *q.stride(), *q_t.stride(), seq, store_rows, *split_scale(1.0 / math.sqrt(block_d)),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, CENTRE=mean is not None, ROTATE=rotate,
             DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32",
@@ -392,6 +415,16 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     return (q.transpose(2, 3) if transposed else q), scales
 
 
+def rotation_matrix(method: str, block_d: int, x: torch.Tensor) -> torch.Tensor:
+    """The +-1 matrix the quantisation kernel's rotation METHOD reads (``_rotation_operands``), in x's dtype; x
+    itself where none is read."""
+    if method == "matmul":
+        return hadamard_matrix(block_d, x.dtype, x.device)
+    if method == "halves":
+        return hadamard_matrix(block_d // 2, x.dtype, x.device)
+    return x
+
+
 def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mean=None):
     """(q8, q_scales, k8, k_scales): Q and K as FP8 scores take them. With ``signs`` (D'), both go through the
     Hadamard rotation first (q8, k8 then (B, H, N, D')); with ``k_mean`` (B, H_kv, D) float32, K is centred
@@ -399,8 +432,47 @@ def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mea
     return (*fp8_quantize(q, block_q, signs=signs), *fp8_quantize(k, block_k, mean=k_mean, signs=signs))
 
 
+@triton.jit
+def fp8_dequantize_kernel(Q, S, OUT, stride_qb, stride_qh, stride_qn, stride_qd, seq,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """One program: ROWS rows of one (batch, head). Grid (cdiv(seq, ROWS), H, B).
+
+    Q: (B, H, seq, HEAD_DIM) e4m3, any strides; S: (B, H, cdiv(seq, BLOCK_N)) fp32 contiguous, one scale per tile
+    of BLOCK_N rows; OUT: (B, H, seq, HEAD_DIM) contiguous, q * scale computed in fp32 (exact: a 4-bit significand
+    times a power of two) and rounded once to OUT's dtype."""
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < seq) & (offs_d[None, :] < HEAD_DIM)
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    q = tl.load(q_base + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
+    scale = tl.load(S + head * tl.cdiv(seq, BLOCK_N) + rows // BLOCK_N, mask=rows < seq, other=0.0)
+    x = q.to(tl.float32) * scale[:, None]
+    tl.store(OUT + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], x.to(OUT.dtype.element_ty), mask=mask)
+
+
+# Elements of one dequantisation program's rows (fp32 in registers at 4 warps, as QUANT_CHUNK_ELEMENTS).
+DEQUANT_ELEMENTS = 8192
+
+
+@configs.on_input_device
 def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, block_n: int, dtype: torch.dtype) -> torch.Tensor:
-    """q (B, H, N, D) e4m3 times its tiles' scales, in ``dtype``: exact in bfloat16 (power-of-two scales) and in
-    float16 down to its subnormal range."""
-    row_scales = scales.repeat_interleave(block_n, dim=-1)[..., : q.shape[2], None]
-    return (q.float() * row_scales).to(dtype)
+    """q (B, H, N, D) e4m3 times its tiles' scales (``fp8_quantize``'s outputs: scales (B, H, cdiv(N, block_n))
+    fp32), as a contiguous (B, H, N, D) tensor of ``dtype``: exact in bfloat16 (power-of-two scales) and in
+    float16 down to its subnormal range; the bits of ``flashtrain.reference.fp8_dequantize_ref`` rounded to
+    ``dtype``, in one pass (read e4m3, write ``dtype``)."""
+    batch, heads, seq, head_dim = q.shape
+    if q.dtype != torch.float8_e4m3fn or tuple(scales.shape) != (batch, heads, configs.cdiv(seq, block_n)):
+        raise ValueError(f"fp8_dequantize: expected q float8_e4m3fn (B, H, N, D) and scales of shape "
+                         f"{(batch, heads, configs.cdiv(seq, block_n))} for block_n={block_n}; got q {q.dtype} "
+                         f"{tuple(q.shape)}, scales {tuple(scales.shape)}")
+    out = torch.empty((batch, heads, seq, head_dim), device=q.device, dtype=dtype)
+    if out.numel():
+        block_d = configs.block_d(head_dim)
+        rows = min(configs.next_power_of_2(seq), max(1, DEQUANT_ELEMENTS // block_d))
+        fp8_dequantize_kernel[(configs.cdiv(seq, rows), heads, batch)](
+            q, scales.float().contiguous(), out, *q.stride(), seq, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_N=block_n, ROWS=rows)
+    return out

@@ -41,7 +41,7 @@ from flashtrain.kernels.attention_fp8_fwd import attention_fp8_fwd_kernel  # noq
 from flashtrain.kernels.attention_fwd import attention_fwd_kernel  # noqa: E402
 from flashtrain.kernels.dropout_mask import dropout_keep_mask_kernel  # noqa: E402
 from flashtrain.kernels import fp8_quant  # noqa: E402
-from flashtrain.kernels.fp8_quant import fp8_quantize_kernel  # noqa: E402
+from flashtrain.kernels.fp8_quant import fp8_dequantize_kernel, fp8_quantize_kernel  # noqa: E402
 from flashtrain.kernels.hadamard import hadamard_kernel  # noqa: E402
 
 FLOAT_ARGS = {"qk_scale", "qk_scale_lo", "sm_scale", "sm_scale_lo", "dropout_p", "keep_scale", "keep_scale_lo",
@@ -178,20 +178,23 @@ def fp8_jobs(dtype="bf16", target_arch=90):
         # V, dO / K with smoothing / Q / K rotated and smoothed, each also with empty tiles' scale 0 (as the
         # backward's Q and dO) and with the transposed second copy (the backward's Q, K, dO); (128, 256) tiles in
         # chunks
-        rotations = (False, True) if head_dim <= fp8_quant.FUSED_ROTATION_MAX_DIM else (False, )
-        for rotate, centre, zero, second in itertools.product(rotations, (False, True), (False, True), (False, True)):
+        for rotate, centre, zero, second in itertools.product((False, True), repeat=4):
             launch = fp8_quant.quant_launch(128, head_dim, rotate, centre)
-            stages = launch.pop("num_stages")
+            warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
             yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}{' rotated' if rotate else ''}"
                    f"{' zero-scale' if zero else ''}{' both layouts' if second else ''}", fp8_quantize_kernel,
                    quant_ptr, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=centre, ROTATE=rotate,
                                    DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=zero, MMA_KEY_ORDER=False,
-                                   SECOND_COPY=second, **launch), 4, stages)
+                                   SECOND_COPY=second, **launch), warps, stages)
         launch = fp8_quant.quant_launch(128, head_dim, False, False)
-        stages = launch.pop("num_stages")
+        warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
         yield (f"fp8 quantize D={head_dim} mma key order", fp8_quantize_kernel, quant_ptr,  # V for the Hopper forward
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=False, ROTATE=False, DOT_PRECISION="tf32",
-                    ZERO_SCALE_IF_EMPTY=False, MMA_KEY_ORDER=True, SECOND_COPY=False, **launch), 4, stages)
+                    ZERO_SCALE_IF_EMPTY=False, MMA_KEY_ORDER=True, SECOND_COPY=False, **launch), warps, stages)
+        yield (f"fp8 dequantize D={head_dim}", fp8_dequantize_kernel,  # fp8="forward"'s backward: Q and K
+               {"Q": fp8, "S": "*fp32", "OUT": f"*{dtype}"},
+               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
+                    ROWS=fp8_quant.DEQUANT_ELEMENTS // head_dim), 4, 3)
         yield (f"hadamard D={head_dim}", hadamard_kernel,
                {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
                dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)

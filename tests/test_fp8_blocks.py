@@ -27,6 +27,30 @@ def test_quantize_matches_reference(shape, block_n, dtype, device):
     assert (err <= bound * (1 + 1e-6)).all()
 
 
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, block_n", [((1, 2, 1, 24), 16), ((2, 1, 37, 40), 16), ((1, 2, 129, 64), 64),
+                                            ((1, 1, 70, 256), 128)], ids=str)
+def test_dequantize_matches_reference(shape, block_n, dtype, device):
+    """The dequantisation kernel (fp8="forward"'s backward reads Q and K through it) against
+    ``fp8_dequantize_ref`` rounded to the dtype, bit for bit: every finite e4m3 value, power-of-two scales from
+    2^-40 to 2^20 (float16's subnormals and its overflow included), strided q, outputs poisoned."""
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, seq, head_dim = shape
+    byte = torch.randint(0, 256, (batch, seq, heads, head_dim), generator=gen, dtype=torch.uint8)
+    byte[(byte & 0x7F) == 0x7F] = 0  # e4m3's NaN
+    q = byte.view(torch.float8_e4m3fn).to(device).transpose(1, 2)  # strided
+    n_tiles = -(-seq // block_n)
+    scales = torch.exp2(torch.randint(-40, 21, (batch, heads, n_tiles), generator=gen).float()).to(device)
+    out = fp8_quant.fp8_dequantize(q, scales, block_n, dtype)
+    assert out.dtype == dtype and out.shape == shape and out.is_contiguous()
+    ref = fp8_dequantize_ref(q, scales, block_n).to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), ref.contiguous().view(bits))
+    with pytest.raises(ValueError, match="scales of shape"):
+        fp8_quant.fp8_dequantize(q, scales[..., :-1], block_n, dtype)
+
 def test_quantize_zero_tiles_and_tails(device):
     x = torch.zeros(1, 1, 40, 16, device=device)
     x[0, 0, 35, 3] = 7.0  # only the last (tail) tile of 8 rows is non-zero
@@ -73,7 +97,7 @@ def test_centring_fused_into_quantise_and_rotate_bit_for_bit(shape, block_n, dty
 def test_rotation_fused_into_quantise(shape, block_n, dtype, centre, transposed, method, chunk_elements, device,
                                       monkeypatch):
     """fp8_quantize(x, signs=...) against the Hadamard kernel followed by fp8_quantize, for each way of applying
-    the rotation (the default: a matmul, fused, up to width 128, the two kernels at 256; the butterfly, fused),
+    the rotation (the default: a matmul up to width 128, two half-width matmuls at 256; the butterfly),
     whole tiles and tiles read in chunks: the same scales, and the same e4m3 values except where the rotation's
     fp32 sums round differently (fp32 inputs, whose sums fp32 cannot always hold exactly), by one e4m3 step. The
     transposed layout holds the same values, keys contiguous, rows 16-byte aligned (TMA)."""
