@@ -297,9 +297,10 @@ ROTATE_STAGES = {False: 3, True: 2}
 # The rotation by halves (width 256): rows a chunk, tiles a program, warps and stages. Read from the sm_90 compile
 # (ptxas -v): at 4 warps every chunk size spills (140-2500 bytes); at 8 warps chunks of 64 rows and whole
 # (128-row) tiles take 253-255 registers and no spills. Measured on the H200 (benchmarks/NOTES.md, eighteenth
-# session; bf16 (4, 8, 4096, 256), two rounds, us), against the Hadamard kernel then the quantisation (the
-# earlier form at this width): Q 83.6 / 81.7 and 76.2 with whole tiles, 4 a program, 2 stages; 92-93 in chunks
-# of 64; K centred 92.2 / 90.6 and 85.3. The FP8 forward's GPU time: 846-851 -> 833-835 us, causal 618-620 -> 603.
+# session; bf16 (4, 8, 4096, 256), us, the second of two rounds), against the Hadamard kernel then the
+# quantisation (the earlier form at this width): Q 83.6 / 76.2 with whole tiles, 4 a program, 2 stages (68.9 at 3
+# stages, 82-83 in the first round; 92 in chunks of 64); K centred 92.2 / 85.3. The FP8 forward's GPU time:
+# 846-851 -> 833-835 us, causal 618-620 -> 603.
 HALVES_LAUNCH = dict(CHUNK=128, TILES=4, num_warps=8, num_stages=2)
 
 
