@@ -176,8 +176,8 @@ def fp8_jobs(dtype="bf16", target_arch=90):
         quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "SIGNS": "*fp32", "H": f"*{dtype}", "Q": fp8, "QT": fp8,
                      "S": "*fp32"}
         # V, dO / K with smoothing / Q / K rotated and smoothed, each also with empty tiles' scale 0 (as the
-        # backward's Q and dO) and with the transposed second copy (the backward's Q, K, dO); (128, 256) tiles in
-        # chunks
+        # backward's Q and dO) and with the transposed second copy (the backward's Q, K, dO); unrotated (128, 256)
+        # tiles in chunks
         for rotate, centre, zero, second in itertools.product((False, True), repeat=4):
             launch = fp8_quant.quant_launch(128, head_dim, rotate, centre)
             warps, stages = launch.pop("num_warps"), launch.pop("num_stages")

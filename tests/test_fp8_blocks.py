@@ -27,7 +27,6 @@ def test_quantize_matches_reference(shape, block_n, dtype, device):
     assert (err <= bound * (1 + 1e-6)).all()
 
 
-
 @pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape, block_n", [((1, 2, 1, 24), 16), ((2, 1, 37, 40), 16), ((1, 2, 129, 64), 64),
