@@ -429,7 +429,7 @@ def rotation_matrix(method: str, block_d: int, x: torch.Tensor) -> torch.Tensor:
 def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mean=None):
     """(q8, q_scales, k8, k_scales): Q and K as FP8 scores take them. With ``signs`` (D'), both go through the
     Hadamard rotation first (q8, k8 then (B, H, N, D')); with ``k_mean`` (B, H_kv, D) float32, K is centred
-    before (K smoothing), fused into whichever kernel reads K first."""
+    before (K smoothing), inside the quantisation kernel."""
     return (*fp8_quantize(q, block_q, signs=signs), *fp8_quantize(k, block_k, mean=k_mean, signs=signs))
 
 

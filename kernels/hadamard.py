@@ -98,6 +98,9 @@ def padded_dim(head_dim: int) -> int:
     return max(2, configs.next_power_of_2(head_dim))
 
 
+HADAMARD_BLOCK_R = 16  # rows a program
+
+
 @configs.on_input_device
 def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_dim: int | None = None,
              mean: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
@@ -122,12 +125,11 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_di
     d_out = d if not inverse else (out_dim or d)
     rows = x.reshape(-1, d_in).contiguous()
     y = torch.empty((rows.shape[0], d_out), device=x.device, dtype=out_dtype or x.dtype)
-    block_r = 16
     if rows.shape[0]:
-        hadamard_kernel[(configs.cdiv(rows.shape[0], block_r),)](
+        hadamard_kernel[(configs.cdiv(rows.shape[0], HADAMARD_BLOCK_R),)](
             rows, signs.to(device=x.device).contiguous(), y, rows if mean is None else mean.contiguous(),
             rows.shape[0], d_in, d_out, x.shape[2] if mean is not None else 1, *split_scale(1.0 / math.sqrt(d)),
-            D=d, BLOCK_R=block_r, SIGNS_FIRST=not inverse, CENTRE=mean is not None)
+            D=d, BLOCK_R=HADAMARD_BLOCK_R, SIGNS_FIRST=not inverse, CENTRE=mean is not None)
     return y.view(*x.shape[:-1], d_out)
 
 

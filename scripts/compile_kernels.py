@@ -42,7 +42,7 @@ from flashtrain.kernels.attention_fwd import attention_fwd_kernel  # noqa: E402
 from flashtrain.kernels.dropout_mask import dropout_keep_mask_kernel  # noqa: E402
 from flashtrain.kernels import fp8_quant  # noqa: E402
 from flashtrain.kernels.fp8_quant import fp8_dequantize_kernel, fp8_quantize_kernel  # noqa: E402
-from flashtrain.kernels.hadamard import hadamard_kernel  # noqa: E402
+from flashtrain.kernels.hadamard import HADAMARD_BLOCK_R, hadamard_kernel  # noqa: E402
 
 FLOAT_ARGS = {"qk_scale", "qk_scale_lo", "sm_scale", "sm_scale_lo", "dropout_p", "keep_scale", "keep_scale_lo",
               "norm", "norm_lo"}
@@ -195,9 +195,11 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                {"Q": fp8, "S": "*fp32", "OUT": f"*{dtype}"},
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
                     ROWS=fp8_quant.DEQUANT_ELEMENTS // head_dim), 4, 3)
-        yield (f"hadamard D={head_dim}", hadamard_kernel,
-               {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
-               dict(D=head_dim, BLOCK_R=32, SIGNS_FIRST=True, CENTRE=True), 4, 2)
+        # the forward transform (hadamard_transform), the inverse (dQ, dK back), and the centred forward
+        for signs_first, centre in ((True, False), (False, False), (True, True)):
+            yield (f"hadamard D={head_dim} signs_first={signs_first} centre={centre}", hadamard_kernel,
+                   {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
+                   dict(D=head_dim, BLOCK_R=HADAMARD_BLOCK_R, SIGNS_FIRST=signs_first, CENTRE=centre), 4, 3)
 
 
 def serialisation_warnings(compiled, arch: int) -> list[str]:
