@@ -196,15 +196,17 @@ def _fp8_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py); dQ and dK are rotated back, and with
     smooth_k K is smoothed as in the forward (with the forward's k_mean: same bits) and dK passes back through
     the centring."""
+    # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), run by the kernels before they
+    # store dQ and dK. With smooth_k, dK comes in fp32 with its per-program key sums, and is rounded to K's dtype
+    # by its centring: one pass over it.
     signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
-    dq, dk, dv = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, signs, k_mean if smooth_k else None)
-    # fp32 dq, dk rounded once to the inputs' dtypes, by the last pass that reads them (dv comes in v's dtype)
-    if rotate:  # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), cut to head_dim
-        dq = hadamard(dq, signs, inverse=True, out_dim=q.shape[-1], out_dtype=q.dtype)
-        dk = hadamard(dk, signs, inverse=True, out_dim=k.shape[-1], out_dtype=None if smooth_k else k.dtype)
+    dq, dk, dv, dk_sums = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, signs,
+                                            k_mean if smooth_k else None,
+                                            dk_dtype=torch.float32 if smooth_k else None, key_sums=smooth_k)
     if smooth_k:
-        dk = _centred(dk, k.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv
+        dk_mean = dk_sums.sum(dim=2) / k.shape[2]  # (B, H_kv, D) fp32: dK's mean over the keys
+        dk = torch.sub(dk, dk_mean[:, :, None], out=torch.empty_like(dk, dtype=k.dtype))
+    return dq, dk, dv
 
 
 @torch.library.custom_op("flashtrain::attention_fp8_bwd", mutates_args=())

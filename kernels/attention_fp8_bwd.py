@@ -18,7 +18,8 @@ that uses it, one power-of-two scale per row of the tile it holds: per key over 
 kernel (dS^T's rows), per query over BLOCK_N keys in the dQ kernel. A row's scale multiplies a row of the
 product (dK's row for a key, dQ's for a query), so it comes out of the sum; a row amax is a reduction inside a
 warp, where one scale per tile needs all warps' maxima (a shared-memory round trip and a barrier every step).
-dQ and dK come out in the rotated space when the forward rotated Q and K; the caller maps them back.
+When the forward rotated Q and K, the kernels rotate dQ and dK back before storing them (the inverse
+transform on the fp32 tile in registers, the bits of ``hadamard``'s inverse), in the inputs' dtypes.
 ``flashtrain.reference.fp8_attention_bwd_ref`` simulates all of it in float64.
 
 The products that reduce over the sequence (dV, dK, dQ) read Q, K and dO from transposed copies (quantised
@@ -33,14 +34,17 @@ sequence is not a multiple of the tiles) pay for masks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from . import configs
 from .attention_bwd import _dkdv_query_range, backward_delta
-from .attention_fwd import LOG2E, _load_rows, _query_block_key_range
+from .attention_fwd import LOG2E, _load_rows, _query_block_key_range, split_scale
 from .fp8_quant import SOFTWARE_ROUNDING, _tile_scale, _to_e4m3, fp8_quantize
+from .hadamard import _inverse_rotation
 
 
 @triton.jit
@@ -148,13 +152,13 @@ def _attention_fp8_bwd_dkdv_inner(dk, dv, dk_unit, inv_dv_unit, k, v, k_scale, v
 
 @triton.jit
 def attention_fp8_bwd_dkdv_kernel(
-    Q8, QT8, QS, K8, KS, V8, VS, DO8, DOT8, DOS, DV_UNIT, LSE, DELTA, DK, DV,
+    Q8, QT8, QS, K8, KS, V8, VS, DO8, DOT8, DOS, DV_UNIT, LSE, DELTA, SIGNS, DK, DK_SUM, DV,
     stride_qt_h, stride_qt_row, stride_dot_h, stride_dot_row,
-    seq_q, seq_k, qk_scale, sm_scale,
+    seq_q, seq_k, qk_scale, sm_scale, norm, norm_lo,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_M: tl.constexpr, SCALE_N: tl.constexpr,
-    SETTLE_DK: tl.constexpr,
+    SETTLE_DK: tl.constexpr, ROTATED: tl.constexpr, KEY_SUMS: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK_N), H_kv, B).
 
@@ -163,9 +167,13 @@ def attention_fp8_bwd_dkdv_kernel(
     SCALE_N)) their fp32 scales. QT8, DOT8: Q8 and DO8 transposed, (B, H_q, dim, seq) with the seq stride 1 and
     the given head and dim strides (FP8 tensor cores read both operands with the reduced dim contiguous). LSE
     (log2 domain), DELTA: (B, H_q, seq_q) fp32. DV_UNIT (B * H_kv,) fp32: the largest of DOS over each GQA
-    group. DK (B, H_kv, seq_k, QK_DIM) fp32 and DV (B, H_kv, seq_k, HEAD_DIM) in V's dtype, contiguous.
-    EVEN: seq_q % BLOCK_M == 0 and seq_k % BLOCK_N == 0 (else every tile is masked). SETTLE_DK: wait for dK's
-    wgmma within each step (``_settled``; GPU only).
+    group. DK (B, H_kv, seq_k, HEAD_DIM), DV (B, H_kv, seq_k, HEAD_DIM) in V's dtype, contiguous. ROTATED: Q8 and
+    K8 are rotated (QK_DIM the transform's width, SIGNS its (QK_DIM,) signs, (norm, norm_lo) the split
+    1 / sqrt(QK_DIM)); dK is rotated back before it is stored (``hadamard._inverse_rotation``), else QK_DIM ==
+    HEAD_DIM. KEY_SUMS: DK_SUM (B, H_kv, cdiv(seq_k, BLOCK_N), HEAD_DIM) fp32 gets each program's sum of dK
+    over its keys (fp32, before DK's rounding), for the centring of K smoothing's backward. EVEN: seq_q %
+    BLOCK_M == 0 and seq_k % BLOCK_N == 0 (else every tile is masked). SETTLE_DK: wait for dK's wgmma within
+    each step (``_settled``; GPU only).
     """
     pid_n = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -214,8 +222,15 @@ def attention_fp8_bwd_dkdv_kernel(
             SCALE_M, False, CAUSAL, SETTLE_DK)
 
     rows_ok = offs_n[:, None] < seq_k
-    tl.store(DK + (head_kv * seq_k + offs_n[:, None]) * QK_DIM + offs_dk[None, :], dk * (dk_unit * sm_scale)[:, None],
-             mask=rows_ok & (offs_dk[None, :] < QK_DIM))
+    dk = dk * (dk_unit * sm_scale)[:, None]
+    if ROTATED:  # back from the rotated space, in registers: one pass over dK fewer than a separate transform
+        dk = _inverse_rotation(dk, SIGNS, norm, norm_lo, BLOCK_N, BLOCK_DK, QK_DIM)
+    dk_cols = offs_dk[None, :] < HEAD_DIM
+    if KEY_SUMS:  # keys past seq_k have dK = 0: dS is masked there
+        tl.store(DK_SUM + (head_kv * tl.num_programs(0) + pid_n) * HEAD_DIM + offs_dk, tl.sum(dk, 0),
+                 mask=offs_dk < HEAD_DIM)
+    tl.store(DK + (head_kv * seq_k + offs_n[:, None]) * HEAD_DIM + offs_dk[None, :], dk.to(DK.dtype.element_ty),
+             mask=rows_ok & dk_cols)
     tl.store(DV + (head_kv * seq_k + offs_n[:, None]) * HEAD_DIM + offs_dv[None, :],
              (dv * (dv_unit * 0.002232142857142857)).to(DV.dtype.element_ty),  # 1/448
              mask=rows_ok & (offs_dv[None, :] < HEAD_DIM))
@@ -256,15 +271,17 @@ def _attention_fp8_bwd_dq_inner(dq, q, do, q_scale, do_scale, lse2, delta, k_row
 
 @triton.jit
 def attention_fp8_bwd_dq_kernel(
-    Q8, QS, K8, KT8, KS, V8, VS, DO8, DOS, LSE, DELTA, DQ,
+    Q8, QS, K8, KT8, KS, V8, VS, DO8, DOS, LSE, DELTA, SIGNS, DQ,
     stride_kt_h, stride_kt_row,
-    seq_q, seq_k, qk_scale, sm_scale,
+    seq_q, seq_k, qk_scale, sm_scale, norm, norm_lo,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_M: tl.constexpr, SCALE_N: tl.constexpr,
+    ROTATED: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B).
-    Tensors as in the dK/dV kernel; KT8: K8 transposed as QT8 is; DQ (B, H_q, seq_q, QK_DIM) fp32, contiguous."""
+    Tensors and ROTATED as in the dK/dV kernel; KT8: K8 transposed as QT8 is; DQ (B, H_q, seq_q, HEAD_DIM),
+    contiguous, rotated back as dK is."""
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -308,14 +325,21 @@ def attention_fp8_bwd_dq_kernel(
                                      qk_scale, stride_kt_row, QK_DIM, HEAD_DIM, BLOCK_DK, BLOCK_DV, BLOCK_N, SCALE_N,
                                      True, CAUSAL)
 
-    tl.store(DQ + (head_q * seq_q + rows[:, None]) * QK_DIM + offs_dk[None, :], dq * sm_scale,
-             mask=(rows[:, None] < seq_q) & (offs_dk[None, :] < QK_DIM))
+    dq = dq * sm_scale
+    if ROTATED:
+        dq = _inverse_rotation(dq, SIGNS, norm, norm_lo, BLOCK_M, BLOCK_DK, QK_DIM)
+    tl.store(DQ + (head_q * seq_q + rows[:, None]) * HEAD_DIM + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
+             mask=(rows[:, None] < seq_q) & (offs_dk[None, :] < HEAD_DIM))
 
 
 @configs.on_input_device
-def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, signs=None, k_mean=None):
-    """Launch the FP8 backward. Returns (dq, dk, dv): dq, dk in fp32, with respect to the scores' Q and K
-    (rotated, (B, H, N, D'), when ``signs`` is given, as in the forward); dv like v (its dtype, contiguous).
+def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, signs=None, k_mean=None,
+                      dk_dtype=None, key_sums: bool = False):
+    """Launch the FP8 backward. Returns (dq, dk, dv, dk_sums): dq in q's dtype, dk in ``dk_dtype`` (default k's),
+    dv in v's, contiguous, each rounded once from the kernels' fp32. With ``signs`` (the forward's rotation) the
+    scores' Q and K are rotated, and dq and dk are rotated back inside the kernels. ``key_sums``: dk_sums
+    (B, H_kv, cdiv(N_k, BLOCK_N), D) fp32, each dK/dV program's sum of dk over its keys (its fp32 values), so
+    that dk's mean over the sequence needs no pass over dk; else None.
 
     q, do, out: (B, H_q, N_q, D); k, v: (B, H_kv, N_k, D); lse: (B, H_q, N_q) log2-domain fp32 from the FP8
     forward; dlse: the gradient of the natural-log LSE or None. ``signs`` and ``k_mean``: the forward's
@@ -324,12 +348,15 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
     batch, heads_q, seq_q, head_dim = do.shape
     heads_kv, seq_k = v.shape[1], v.shape[2]
     qk_dim = head_dim if signs is None else signs.numel()
-    dq = torch.empty((batch, heads_q, seq_q, qk_dim), device=do.device, dtype=torch.float32)
-    dk = torch.empty((batch, heads_kv, seq_k, qk_dim), device=do.device, dtype=torch.float32)
+    dq = torch.empty(q.shape, device=do.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=do.device, dtype=dk_dtype or k.dtype)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    if dq.numel() == 0 or dk.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
     tiles = configs.fp8_bwd_tiles(max(seq_q, seq_k), qk_dim)
+    dkdv = tiles["dkdv"]
+    dkdv_grid = (configs.cdiv(seq_k, dkdv["BLOCK_N"]), heads_kv, batch)
+    dk_sums = dk.new_empty((batch, heads_kv, dkdv_grid[0], head_dim), dtype=torch.float32) if key_sums else None
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), None if dk_sums is None else dk_sums.zero_()
     scale_m, scale_n = tiles["SCALE_M"], tiles["SCALE_N"]
     lse = lse.contiguous()
     delta = backward_delta(out, do, dlse, lse)
@@ -342,16 +369,17 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
     dv_unit = do_scales.view(batch * heads_kv, -1).amax(dim=1)  # (B * H_kv,): each group's dO scales, contiguous
     common = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
                   BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal,
-                  SCALE_M=scale_m, SCALE_N=scale_n)
-    scalars = (seq_q, seq_k, scale * LOG2E, scale)
-    dkdv = tiles["dkdv"]
-    attention_fp8_bwd_dkdv_kernel[(configs.cdiv(seq_k, dkdv["BLOCK_N"]), heads_kv, batch)](
-        q8, q8_t, q_scales, k8, k_scales, v8, v_scales, do8, do8_t, do_scales, dv_unit, lse, delta, dk, dv,
-        q8_t.stride(1), q8_t.stride(2), do8_t.stride(1), do8_t.stride(2), *scalars,
-        EVEN=seq_q % dkdv["BLOCK_M"] == 0 and seq_k % dkdv["BLOCK_N"] == 0, **common, **dkdv)
+                  SCALE_M=scale_m, SCALE_N=scale_n, ROTATED=signs is not None)
+    signs = lse if signs is None else signs  # a placeholder pointer when not ROTATED
+    scalars = (seq_q, seq_k, scale * LOG2E, scale, *split_scale(1.0 / math.sqrt(qk_dim)))
+    attention_fp8_bwd_dkdv_kernel[dkdv_grid](
+        q8, q8_t, q_scales, k8, k_scales, v8, v_scales, do8, do8_t, do_scales, dv_unit, lse, delta, signs, dk,
+        dk if dk_sums is None else dk_sums, dv, q8_t.stride(1), q8_t.stride(2), do8_t.stride(1), do8_t.stride(2),
+        *scalars, EVEN=seq_q % dkdv["BLOCK_M"] == 0 and seq_k % dkdv["BLOCK_N"] == 0, KEY_SUMS=key_sums, **common,
+        **dkdv)
     dq_cfg = tiles["dq"]
     attention_fp8_bwd_dq_kernel[(configs.cdiv(seq_q, dq_cfg["BLOCK_M"]), heads_q, batch)](
-        q8, q_scales, k8, k8_t, k_scales, v8, v_scales, do8, do_scales, lse, delta, dq,
+        q8, q_scales, k8, k8_t, k_scales, v8, v_scales, do8, do_scales, lse, delta, signs, dq,
         k8_t.stride(1), k8_t.stride(2), *scalars,
         EVEN=seq_q % dq_cfg["BLOCK_M"] == 0 and seq_k % dq_cfg["BLOCK_N"] == 0, **common, **dq_cfg)
-    return dq, dk, dv
+    return dq, dk, dv, dk_sums

@@ -33,24 +33,41 @@ def _butterfly(x, R: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
 @triton.jit
 def _fwht(x, R: tl.constexpr, D: tl.constexpr):
     """The unnormalised fast Walsh-Hadamard transform of each row of x (R, D): x @ H_D."""
-    # stage s pairs columns 2^s apart; stages past log2(D) are compiled out. Written out rather than a
+    return _fwht_blocks(x, R, D, D)
+
+
+@triton.jit
+def _fwht_blocks(x, R: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
+    """x (R, W) with each block of D columns (D divides W) times H_D: the stages of ``_fwht`` that pair columns
+    less than D apart. W > D where a kernel's tile is wider than the transform (zero columns past it)."""
+    # stage s pairs columns 2^s apart; stages from D on are compiled out. Written out rather than a
     # tl.static_range loop: in Triton's interpreter the loop variable is a tensor, which reshape rejects.
-    x = _butterfly(x, R, D, 1)
+    x = _butterfly(x, R, W, 1)
     if D > 2:
-        x = _butterfly(x, R, D, 2)
+        x = _butterfly(x, R, W, 2)
     if D > 4:
-        x = _butterfly(x, R, D, 4)
+        x = _butterfly(x, R, W, 4)
     if D > 8:
-        x = _butterfly(x, R, D, 8)
+        x = _butterfly(x, R, W, 8)
     if D > 16:
-        x = _butterfly(x, R, D, 16)
+        x = _butterfly(x, R, W, 16)
     if D > 32:
-        x = _butterfly(x, R, D, 32)
+        x = _butterfly(x, R, W, 32)
     if D > 64:
-        x = _butterfly(x, R, D, 64)
+        x = _butterfly(x, R, W, 64)
     if D > 128:
-        x = _butterfly(x, R, D, 128)
+        x = _butterfly(x, R, W, 128)
     return x
+
+
+@triton.jit
+def _inverse_rotation(x, SIGNS, norm, norm_lo, R: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
+    """x (R, W) fp32/fp64, its first D columns rotated (D a power of two, W >= D its tile width): those columns
+    times M^T = H_D / sqrt(D) diag(signs), in the order and precision of ``hadamard_kernel``'s inverse (the
+    same bits; ``hadamard_kernel``'s inverse is this function). Columns from D on come out times a zero sign."""
+    cols = tl.arange(0, W)
+    signs = tl.load(SIGNS + cols, mask=cols < D, other=0.0).to(x.dtype)
+    return _scale(_fwht_blocks(x, R, W, D), norm, norm_lo) * signs[None, :]
 
 
 @triton.jit
@@ -72,13 +89,10 @@ def hadamard_kernel(X, SIGNS, Y, MEAN, n_rows, d_in, d_out, rows_per_mean, norm,
                        other=0.0)
         x = tl.where(mask, x.to(acc_dtype) - mean.to(acc_dtype), 0.0).to(X.dtype.element_ty)
     x = x.to(acc_dtype)
-    signs = tl.load(SIGNS + cols).to(acc_dtype)
     if SIGNS_FIRST:
-        x = x * signs[None, :]
-    x = _fwht(x, BLOCK_R, D)
-    x = _scale(x, norm, norm_lo)
-    if not SIGNS_FIRST:
-        x = x * signs[None, :]
+        x = _scale(_fwht(x * tl.load(SIGNS + cols).to(acc_dtype)[None, :], BLOCK_R, D), norm, norm_lo)
+    else:
+        x = _inverse_rotation(x, SIGNS, norm, norm_lo, BLOCK_R, D, D)
     tl.store(Y + rows[:, None].to(tl.int64) * d_out + cols[None, :], x.to(Y.dtype.element_ty),
              mask=(rows[:, None] < n_rows) & (cols[None, :] < d_out))
 

@@ -160,17 +160,18 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                             **configs.fp8_hopper_fwd_meta(head_dim, causal)), 4, 2)
             bwd_ptr = {"Q8": fp8, "QT8": fp8, "K8": fp8, "KT8": fp8, "V8": fp8, "DO8": fp8, "DOT8": fp8,
                        "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "DOS": "*fp32", "DV_UNIT": "*fp32", "LSE": "*fp32",
-                       "DELTA": "*fp32",
-                       "DK": "*fp32", "DV": f"*{dtype}", "DQ": "*fp32"}
+                       "DELTA": "*fp32", "SIGNS": "*fp32", "DK_SUM": "*fp32",
+                       "DK": "*fp32", "DV": f"*{dtype}", "DQ": f"*{dtype}"}  # dK in fp32: K smoothing centres it
             bwd = configs.fp8_bwd_tiles(1 << 20, head_dim)
             for name, kernel in (("dkdv", attention_fp8_bwd_dkdv_kernel), ("dq", attention_fp8_bwd_dq_kernel)):
                 launch = bwd[name]
                 for even in (True, False):  # the unmasked stage and ragged shapes (every tile masked)
                     meta = dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,
                                 CAUSAL=causal, EVEN=even, SCALE_M=bwd["SCALE_M"],
-                                SCALE_N=bwd["SCALE_N"], BLOCK_M=launch["BLOCK_M"], BLOCK_N=launch["BLOCK_N"])
+                                SCALE_N=bwd["SCALE_N"], BLOCK_M=launch["BLOCK_M"], BLOCK_N=launch["BLOCK_N"],
+                                ROTATED=True)  # the defaults: rotated, K smoothed
                     if name == "dkdv":
-                        meta["SETTLE_DK"] = launch["SETTLE_DK"]
+                        meta.update(SETTLE_DK=launch["SETTLE_DK"], KEY_SUMS=True)
                     yield (f"fp8 {name} D={head_dim} causal={causal} even={even}", kernel, bwd_ptr, meta,
                            launch["num_warps"], launch["num_stages"])
         quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "SIGNS": "*fp32", "H": f"*{dtype}", "Q": fp8, "QT": fp8,
