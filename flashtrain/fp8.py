@@ -19,7 +19,8 @@ Numerics:
   rotation runs inside the quantisation kernel, as matmuls with the +-1 matrix (exact products, fp32 sums; at
   d' = 256 two with H_128, H_256 = [[H_128, H_128], [H_128, -H_128]]); that gives the bits of the fast
   Walsh-Hadamard transform kernel (``flashtrain.kernels.hadamard``, O(d log d)) wherever fp32 holds the sums
-  exactly (16-bit inputs: nearly always). The inverse (dQ and dK back, the gradient) uses the transform kernel.
+  exactly (16-bit inputs: nearly always). The inverse (dQ and dK back, the gradient) is the transform kernel's
+  butterfly: its own pass in ``fp8="forward"``'s backward, inside the FP8 kernels in ``fp8="full"``'s.
 * K smoothing (``smooth_k``, on by default): before the rotation and the quantisation, K loses its mean over
   the sequence (per batch and KV head, computed in fp32, the difference rounded to the input dtype). Each
   query's scores move by one constant, -scale * q_i . mean(K), which softmax ignores, so the output is
@@ -34,7 +35,8 @@ Numerics:
   0.26 -> 0.04 (largest absolute error). Without a shared component the errors stay within 4% of the
   unsmoothed ones (``"full"``'s dV 4.7% -> 4.8%, the LSE 0.049 -> 0.042). The subtraction runs inside the
   quantisation kernel (before its rotation), after one reduction for the mean; dK goes
-  back through the centring in the op's backward, and the returned LSE's correction through plain autograd.
+  back through the centring in the op's backward (``kernels.centring``: one pass; in ``fp8="full"`` its mean
+  from the dK kernel's per-program key sums), and the returned LSE's correction through plain autograd.
 * Forward (``flashtrain.kernels.attention_fp8_fwd``): Q (rotated), K (rotated) and V are quantised per
   tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is quantised straight into its
   transposed layout (K-major, the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T
@@ -67,8 +69,9 @@ Numerics:
     u_K), which is dS over its own row scale where c is the largest;
   - dQ (the dQ kernel's dS tile, BLOCK_M queries x BLOCK_N keys): one power-of-two scale per query row over the
     key tile, dQ += (dS8 K8) x row scale x k_scale.
-  dQ and dK are rotated back by the inverse Hadamard transform and rounded to the input dtype; dV is written in
-  V's. ``flashtrain.reference.fp8_attention_bwd_ref`` simulates all of it in float64 (the units in the kernels'
+  dQ and dK are rotated back by the inverse Hadamard transform, in the kernels on the fp32 tiles before they are
+  stored, and rounded to the input dtype (dK by its centring with smooth_k); dV is written in V's.
+  ``flashtrain.reference.fp8_attention_bwd_ref`` simulates all of it in float64 (the units in the kernels'
   order); the kernels match it to 2e-3 (the fp16 rounding of the result) in Triton's interpreter and to ~1e-2
   on Hopper (next point), and exact attention's gradients to 4-7% on the tests' shapes.
 * Accumulation: the FP8 products accumulate in fp32 registers, but on sm_90 Triton's default for FP8
@@ -95,6 +98,7 @@ from .kernels.attention_bwd import attention_bwd
 from .kernels.attention_fp8_bwd import attention_fp8_bwd
 from .kernels.attention_fp8_fwd import attention_fp8_fwd, fp8_tiles
 from .kernels.attention_fwd import LOG2E
+from .kernels.centring import centre
 from .kernels.configs import cdiv
 from .kernels.fp8_quant import fp8_dequantize, fp8_quantize
 from .kernels.hadamard import hadamard, padded_dim
@@ -145,9 +149,9 @@ def _seq_mean(x: Tensor) -> Tensor:
 def _centred(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """x minus ``_seq_mean(x)``, in x's dtype (or ``dtype``): what K smoothing does to K (there fused into a
     kernel), and, the centring being a symmetric projection and so its own Jacobian, what the backward does to
-    dK. One subtraction into the output computes in fp32 and rounds on the store: the same bits as
-    ``(x - mean).to(dtype)``, in three passes over x instead of seven."""
-    return torch.sub(x, _seq_mean(x)[:, :, None], out=torch.empty_like(x, dtype=dtype or x.dtype))
+    dK: the mean, then one kernel pass that subtracts it in fp32 and rounds once (``kernels.centring``: the bits
+    of ``(x - mean).to(dtype)``)."""
+    return centre(x, _seq_mean(x), dtype)
 
 
 # K smoothing runs inside the custom ops (not as torch ops around them), so that torch.compile runs the same
@@ -204,8 +208,7 @@ def _fp8_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
                                             k_mean if smooth_k else None,
                                             dk_dtype=torch.float32 if smooth_k else None, key_sums=smooth_k)
     if smooth_k:
-        dk_mean = dk_sums.sum(dim=2) / k.shape[2]  # (B, H_kv, D) fp32: dK's mean over the keys
-        dk = torch.sub(dk, dk_mean[:, :, None], out=torch.empty_like(dk, dtype=k.dtype))
+        dk = centre(dk, dk_sums.sum(dim=2) / k.shape[2], k.dtype)  # dK's mean over the keys, (B, H_kv, D) fp32
     return dq, dk, dv
 
 

@@ -85,6 +85,12 @@ def fp8_dequantize_ref(q: torch.Tensor, scales: torch.Tensor, block_n: int) -> t
     return q.float() * scales.repeat_interleave(block_n, dim=-1)[..., : q.shape[2], None]
 
 
+def centre_ref(x: torch.Tensor, mean: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (B, H, N, D) minus mean (B, H, D) float32 on every row, computed in the promoted dtype and rounded once
+    to ``dtype`` (default x's)."""
+    return torch.sub(x, mean[:, :, None], out=torch.empty_like(x, dtype=dtype or x.dtype))
+
+
 def hadamard_ref(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """(x zero-padded to len(signs)) * signs @ H / sqrt(len(signs)), in float64, returned in x's dtype."""
     d = signs.numel()

@@ -18,8 +18,10 @@ that uses it, one power-of-two scale per row of the tile it holds: per key over 
 kernel (dS^T's rows), per query over BLOCK_N keys in the dQ kernel. A row's scale multiplies a row of the
 product (dK's row for a key, dQ's for a query), so it comes out of the sum; a row amax is a reduction inside a
 warp, where one scale per tile needs all warps' maxima (a shared-memory round trip and a barrier every step).
-When the forward rotated Q and K, the kernels rotate dQ and dK back before storing them (the inverse
-transform on the fp32 tile in registers, the bits of ``hadamard``'s inverse), in the inputs' dtypes.
+When the forward rotated Q and K, the kernels rotate dQ and dK back before storing them: the inverse
+transform on the fp32 tile in registers (``hadamard._inverse_rotation``, the arithmetic of ``hadamard``'s
+inverse; on the GPU the compiler may fuse the softmax scale's product into its first adds), then one rounding
+to the output dtype (dK's stays fp32 where the caller centres it).
 ``flashtrain.reference.fp8_attention_bwd_ref`` simulates all of it in float64.
 
 The products that reduce over the sequence (dV, dK, dQ) read Q, K and dO from transposed copies (quantised

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from flashtrain.fp8 import _centred, _seq_mean, fp8_quantize, hadamard_transform, random_signs
+from flashtrain.fp8 import _seq_mean, fp8_quantize, hadamard_transform, random_signs
 from flashtrain.kernels import fp8_quant
+from flashtrain.kernels.centring import centre
 from flashtrain.kernels.hadamard import hadamard, padded_dim
-from flashtrain.reference import fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref, mma_key_order_ref
+from flashtrain.reference import centre_ref, fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref, mma_key_order_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -50,6 +51,29 @@ def test_dequantize_matches_reference(shape, block_n, dtype, device):
     with pytest.raises(ValueError, match="scales of shape"):
         fp8_quant.fp8_dequantize(q, scales[..., :-1], block_n, dtype)
 
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dtype, out_dtype", [
+    (torch.float64, None), (torch.float32, None), (torch.float16, None), (torch.float32, torch.float16),
+    # the interpreter rounds to bfloat16 otherwise than round-to-nearest-even: bf16 outputs on the GPU
+    pytest.param(torch.bfloat16, None, marks=pytest.mark.gpu),
+    pytest.param(torch.float32, torch.bfloat16, marks=pytest.mark.gpu)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 2, 1, 24), (2, 1, 37, 40), (1, 2, 129, 64), (1, 1, 70, 256)], ids=str)
+def test_centre_matches_reference(shape, dtype, out_dtype, device):
+    """The centring kernel (dK in the FP8 backwards) against ``centre_ref``, bit for bit: fp32 (fp64) arithmetic,
+    one rounding to the output dtype; strided input, outputs poisoned; a wrong mean raises."""
+    gen = torch.Generator().manual_seed(6)
+    batch, heads, seq, head_dim = shape
+    x = (torch.randn(batch, seq, heads, head_dim, generator=gen) * 3 + 1).to(device, dtype).transpose(1, 2)
+    mean = torch.randn(batch, heads, head_dim, generator=gen).to(device)
+    out = centre(x, mean, out_dtype)
+    assert out.dtype == (out_dtype or dtype) and out.shape == shape and out.is_contiguous()
+    ref = centre_ref(x, mean, out_dtype)
+    assert torch.equal(out, ref) and not out.isnan().any()
+    with pytest.raises(ValueError, match="mean must be float32"):
+        centre(x, mean.double(), out_dtype)
+
+
 def test_quantize_zero_tiles_and_tails(device):
     x = torch.zeros(1, 1, 40, 16, device=device)
     x[0, 0, 35, 3] = 7.0  # only the last (tail) tile of 8 rows is non-zero
@@ -70,13 +94,14 @@ def test_quantize_zero_tiles_and_tails(device):
 def test_centring_fused_into_quantise_and_rotate_bit_for_bit(shape, block_n, dtype, chunk_elements, device,
                                                              monkeypatch):
     """K smoothing's centring inside fp8_quantize and inside the Hadamard kernel gives the bits of centring as
-    its own op (``_centred``) first, also when the quantisation reads a tile in chunks of rows (twice: for its
+    its own op (``centre_ref``) first, also when the quantisation reads a tile in chunks of rows (twice: for its
     amax, then to quantise)."""
     monkeypatch.setattr(fp8_quant, "QUANT_CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(shape, generator=gen) * 2 + torch.randn(shape[-1], generator=gen) * 3).to(device, dtype)
     x = x.transpose(1, 2).contiguous().transpose(1, 2)  # strided input
-    mean, centred = _seq_mean(x), _centred(x)
+    mean = _seq_mean(x)
+    centred = centre_ref(x, mean)
     if dtype != torch.float64:  # e4m3 quantisation takes 16/32-bit inputs
         q, scales = fp8_quantize(x, block_n, mean=mean)
         ref_q, ref_scales = fp8_quantize(centred, block_n)
