@@ -36,7 +36,7 @@ Numerics:
   unsmoothed ones (``"full"``'s dV 4.7% -> 4.8%, the LSE 0.049 -> 0.042). The subtraction runs inside the
   quantisation kernel (before its rotation), after one reduction for the mean; dK goes
   back through the centring in the op's backward (``kernels.centring``: one pass; in ``fp8="full"`` its mean
-  from the dK kernel's per-program key sums), and the returned LSE's correction through plain autograd.
+  from the dK kernel's per-program key sums; in ``fp8="forward"``'s, inside the inverse rotation's pass), and the returned LSE's correction through plain autograd.
 * Forward (``flashtrain.kernels.attention_fp8_fwd``): Q (rotated), K (rotated) and V are quantised per
   tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is quantised straight into its
   transposed layout (K-major, the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T
@@ -244,11 +244,11 @@ def _fp8_forward_bwd(dout: Tensor, q8: Tensor, q_scales: Tensor, k8: Tensor, k_s
     if pad:
         v, out, dout = (torch.nn.functional.pad(t, (0, pad)) for t in (v, out, dout))
     dq, dk, dv = attention_bwd(dout, q_scores, k_scores, v, out, lse, dlse, causal, scale)
-    if rotate:
+    if rotate:  # with smooth_k, dK's centring runs in its inverse transform (it commutes with the rotation)
         signs = _rotation_signs(head_dim, v.device)
         dq = hadamard(dq, signs, inverse=True, out_dim=head_dim)
-        dk = hadamard(dk, signs, inverse=True, out_dim=head_dim)
-    if smooth_k:
+        dk = hadamard(dk, signs, inverse=True, out_dim=head_dim, mean=_seq_mean(dk) if smooth_k else None)
+    elif smooth_k:
         dk = _centred(dk)
     return dq.contiguous(), dk.contiguous(), dv[..., :head_dim].contiguous()  # contiguous, as the fake says
 

@@ -76,8 +76,8 @@ def hadamard_kernel(X, SIGNS, Y, MEAN, n_rows, d_in, d_out, rows_per_mean, norm,
     """One program: BLOCK_R rows. X (n_rows, d_in), Y (n_rows, d_out), both contiguous; D = next pow2 >= d_in.
 
     SIGNS_FIRST: forward (signs, then H); else inverse (H, then signs). (norm, norm_lo): split 1/sqrt(D).
-    CENTRE: first subtract MEAN (n_rows / rows_per_mean, d_in) fp32, row r its row r // rows_per_mean, and
-    round the difference to X's dtype (as ``flashtrain.fp8._centred``).
+    CENTRE: first subtract MEAN (n_rows / rows_per_mean, d_in) fp32, row r its row r // rows_per_mean; the forward
+    rounds the difference to X's dtype (as ``flashtrain.fp8._centred``), the inverse keeps it in fp32.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, D)
@@ -87,7 +87,9 @@ def hadamard_kernel(X, SIGNS, Y, MEAN, n_rows, d_in, d_out, rows_per_mean, norm,
     if CENTRE:
         mean = tl.load(MEAN + (rows // rows_per_mean)[:, None].to(tl.int64) * d_in + cols[None, :], mask=mask,
                        other=0.0)
-        x = tl.where(mask, x.to(acc_dtype) - mean.to(acc_dtype), 0.0).to(X.dtype.element_ty)
+        x = tl.where(mask, x.to(acc_dtype) - mean.to(acc_dtype), 0.0)
+        if SIGNS_FIRST:  # K smoothing's bits: the centred K in its dtype, then the rotation
+            x = x.to(X.dtype.element_ty)
     x = x.to(acc_dtype)
     if SIGNS_FIRST:
         x = _scale(_fwht(x * tl.load(SIGNS + cols).to(acc_dtype)[None, :], BLOCK_R, D), norm, norm_lo)
@@ -120,8 +122,10 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_di
              mean: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """Forward: (..., d) -> (..., d'), y = (x * signs) @ H / sqrt(d'). Inverse: (..., d') -> (..., out_dim),
     x = (y @ H / sqrt(d') * signs)[..., :out_dim]. ``signs``: (d',) of +-1; d' = padded_dim(d) <= 256.
-    ``mean`` (forward only; x (B, H, N, d), mean (B, H, d) float32): x - mean first, rounded to x's dtype
-    (K smoothing, fused here; the bits of ``flashtrain.fp8._centred`` followed by the transform).
+    ``mean`` (x (B, H, N, d_in), mean (B, H, d_in) float32): x - mean first. Forward: rounded to x's dtype (K
+    smoothing; the bits of ``flashtrain.fp8._centred`` followed by the transform). Inverse: kept in fp32, one
+    rounding at the end (dK's centring in ``fp8="forward"``'s backward: the mean over the sequence commutes with
+    the rotation, so centring the rotated rows is centring the result).
     ``out_dtype``: the output's dtype (default x's), rounded once from the fp32 (fp64) sums: the bits of the
     transform in x's dtype followed by ``.to(out_dtype)`` when x is float32."""
     d_in = x.shape[-1]
@@ -132,9 +136,8 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_di
     if d > 256:
         raise ValueError(f"hadamard: transform width {d} > 256")
     if mean is not None:
-        if inverse or x.dim() != 4:
-            raise ValueError(f"hadamard: mean is for the forward transform of a (B, H, N, D) x; got inverse="
-                             f"{inverse}, x of shape {tuple(x.shape)}")
+        if x.dim() != 4:
+            raise ValueError(f"hadamard: mean needs a (B, H, N, D) x; got x of shape {tuple(x.shape)}")
         check_mean("hadamard", mean, (x.shape[0], x.shape[1], d_in))
     d_out = d if not inverse else (out_dim or d)
     rows = x.reshape(-1, d_in).contiguous()

@@ -201,8 +201,9 @@ def fp8_jobs(dtype="bf16", target_arch=90):
             yield (f"centre D={head_dim} from {source[1:]}", centre_kernel,
                    {"X": source, "MEAN": "*fp32", "Y": f"*{dtype}"},
                    dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, ROWS=CENTRE_ELEMENTS // head_dim), 4, 3)
-        # the forward transform (hadamard_transform), the inverse (dQ, dK back), and the centred forward
-        for signs_first, centre in ((True, False), (False, False), (True, True)):
+        # the forward transform (hadamard_transform), the inverse (dQ, dK back), the centred forward (tests) and
+        # the centred inverse (fp8="forward"'s dK)
+        for signs_first, centre in ((True, False), (False, False), (True, True), (False, True)):
             yield (f"hadamard D={head_dim} signs_first={signs_first} centre={centre}", hadamard_kernel,
                    {"X": f"*{dtype}", "SIGNS": "*fp32", "Y": f"*{dtype}", "MEAN": "*fp32"},
                    dict(D=head_dim, BLOCK_R=HADAMARD_BLOCK_R, SIGNS_FIRST=signs_first, CENTRE=centre), 4, 3)

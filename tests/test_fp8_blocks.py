@@ -6,7 +6,7 @@ import torch
 from flashtrain.fp8 import _seq_mean, fp8_quantize, hadamard_transform, random_signs
 from flashtrain.kernels import fp8_quant
 from flashtrain.kernels.centring import centre
-from flashtrain.kernels.hadamard import hadamard, padded_dim
+from flashtrain.kernels.hadamard import hadamard, hadamard_matrix, padded_dim
 from flashtrain.reference import centre_ref, fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref, mma_key_order_ref
 
 
@@ -111,6 +111,28 @@ def test_centring_fused_into_quantise_and_rotate_bit_for_bit(shape, block_n, dty
 
 
 @pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape, head_dim", [((2, 2, 37, 64), 40), ((1, 2, 129, 32), 24), ((1, 1, 70, 256), 256)],
+                         ids=str)
+def test_inverse_transform_centres_in_fp32(shape, head_dim, dtype, device):
+    """The inverse transform with a mean (dK's centring in fp8="forward"'s backward): y - mean in fp32, the
+    transform, one rounding; the bits of the inverse of the fp32 difference, and within the output's rounding of
+    centring the exact inverse (the centring commutes with the rotation)."""
+    gen = torch.Generator().manual_seed(7)
+    y = (torch.randn(shape, generator=gen) + torch.randn(shape[-1], generator=gen) * 2).to(device, dtype)
+    signs = random_signs(shape[-1], seed=3, device=device)
+    mean = _seq_mean(y)
+    out = hadamard(y, signs, inverse=True, out_dim=head_dim, mean=mean)
+    assert out.dtype == dtype and out.shape == (*shape[:3], head_dim) and not out.isnan().any()
+    ref = hadamard(y.float() - mean[:, :, None], signs, inverse=True, out_dim=head_dim, out_dtype=dtype)
+    assert torch.equal(out, ref)
+    h = hadamard_matrix(shape[-1], device=device)
+    exact = (y.double() @ h / shape[-1] ** 0.5 * signs.double())[..., :head_dim]
+    exact = exact - exact.mean(dim=2, keepdim=True)
+    assert ((out.double() - exact).abs() <= exact.abs() * torch.finfo(dtype).eps + 1e-6).all()
+
+
+@pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("method, chunk_elements", [("default", 16384), ("default", 512), ("butterfly", 16384)],
                          ids=str)
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
@@ -212,8 +234,8 @@ def test_quantize_bad_input():
         fp8_quantize(x, 16, signs=torch.ones(24))
     with pytest.raises(ValueError, match=r"hadamard: mean must be float32 of shape \(1, 2, 24\)"):
         hadamard(x, torch.ones(32), mean=torch.zeros(1, 2, 24, dtype=torch.float64))
-    with pytest.raises(ValueError, match="mean is for the forward transform"):
-        hadamard(x, torch.ones(24), inverse=True, mean=torch.zeros(1, 2, 24))
+    with pytest.raises(ValueError, match=r"mean needs a \(B, H, N, D\) x; got x of shape \(2, 4, 24\)"):
+        hadamard(x[0], torch.ones(32), mean=torch.zeros(1, 2, 24))
 
 
 @pytest.mark.parametrize("head_dim", [1, 24, 64, 100, 256])
