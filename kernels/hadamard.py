@@ -6,7 +6,8 @@ and K leaves Q K^T unchanged, while it spreads an outlier channel over all chann
 Its inverse (and its gradient) is x = (y @ H / sqrt(d')) * signs, cut back to head_dim.
 
 The kernel holds BLOCK_R rows in registers and runs the log2(d') butterfly stages of the fast Walsh-Hadamard
-transform on them: additions and subtractions only, then one scale.
+transform on them: additions and subtractions only, then one scale. The FP8 backward's kernels run the same
+inverse (``_inverse_rotation``) on their dQ and dK tiles before storing them.
 """
 
 from __future__ import annotations
