@@ -36,10 +36,6 @@ def centre_kernel(X, MEAN, Y, stride_xb, stride_xh, stride_xn, seq, HEAD_DIM: tl
     tl.store(Y + (head * seq + rows[:, None]) * HEAD_DIM + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-# Elements of one program's rows (as fp8_quant.DEQUANT_ELEMENTS).
-CENTRE_ELEMENTS = 8192
-
-
 @configs.on_input_device
 def centre(x: torch.Tensor, mean: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (B, H, N, D) minus mean (B, H, D) float32 on every row, as a contiguous tensor of ``dtype`` (default x's),
@@ -53,7 +49,7 @@ def centre(x: torch.Tensor, mean: torch.Tensor, dtype: torch.dtype | None = None
         if x.stride(-1) != 1:
             x = x.contiguous()
         block_d = configs.next_power_of_2(head_dim)
-        rows = min(configs.next_power_of_2(seq), max(1, CENTRE_ELEMENTS // block_d))
+        rows = configs.row_pass_rows(seq, block_d)
         centre_kernel[(configs.cdiv(seq, rows), heads, batch)](
             x, mean.contiguous(), out, *x.stride()[:3], seq, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=rows)
     return out

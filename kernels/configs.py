@@ -51,6 +51,17 @@ def fp8_block_d(head_dim: int) -> int:
     return max(32, block_d(head_dim))
 
 
+# Elements of one program of the row-wise one-pass kernels (dequantisation, centring): fp32 in registers at 4
+# warps, as fp8_quant.QUANT_CHUNK_ELEMENTS.
+ROW_PASS_ELEMENTS = 8192
+
+
+def row_pass_rows(seq: int, block_d: int) -> int:
+    """Rows a program of a row-wise one-pass kernel takes: ROW_PASS_ELEMENTS of a (seq, block_d) tensor, at most
+    seq rounded up to a power of two."""
+    return min(next_power_of_2(seq), max(1, ROW_PASS_ELEMENTS // block_d))
+
+
 def seq_bucket(seq_len: int) -> int:
     """Autotune key for a sequence length: its power-of-two bucket, capped so long sequences share one."""
     return min(next_power_of_2(max(seq_len, 1)), 16384)

@@ -454,10 +454,6 @@ def fp8_dequantize_kernel(Q, S, OUT, stride_qb, stride_qh, stride_qn, stride_qd,
     tl.store(OUT + (head * seq + rows[:, None]) * HEAD_DIM + offs_d[None, :], x.to(OUT.dtype.element_ty), mask=mask)
 
 
-# Elements of one dequantisation program's rows (fp32 in registers at 4 warps, as QUANT_CHUNK_ELEMENTS).
-DEQUANT_ELEMENTS = 8192
-
-
 @configs.on_input_device
 def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, block_n: int, dtype: torch.dtype) -> torch.Tensor:
     """q (B, H, N, D) e4m3 times its tiles' scales (``fp8_quantize``'s outputs: scales (B, H, cdiv(N, block_n))
@@ -472,7 +468,7 @@ def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, block_n: int, dtype: t
     out = torch.empty((batch, heads, seq, head_dim), device=q.device, dtype=dtype)
     if out.numel():
         block_d = configs.block_d(head_dim)
-        rows = min(configs.next_power_of_2(seq), max(1, DEQUANT_ELEMENTS // block_d))
+        rows = configs.row_pass_rows(seq, block_d)
         fp8_dequantize_kernel[(configs.cdiv(seq, rows), heads, batch)](
             q, scales.float().contiguous(), out, *q.stride(), seq, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_N=block_n, ROWS=rows)

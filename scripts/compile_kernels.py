@@ -39,7 +39,7 @@ from flashtrain.kernels.attention_fp8_bwd import (attention_fp8_bwd_dkdv_kernel,
                                                   attention_fp8_bwd_dq_kernel)
 from flashtrain.kernels.attention_fp8_fwd import attention_fp8_fwd_kernel  # noqa: E402
 from flashtrain.kernels.attention_fwd import attention_fwd_kernel  # noqa: E402
-from flashtrain.kernels.centring import CENTRE_ELEMENTS, centre_kernel  # noqa: E402
+from flashtrain.kernels.centring import centre_kernel  # noqa: E402
 from flashtrain.kernels.dropout_mask import dropout_keep_mask_kernel  # noqa: E402
 from flashtrain.kernels import fp8_quant  # noqa: E402
 from flashtrain.kernels.fp8_quant import fp8_dequantize_kernel, fp8_quantize_kernel  # noqa: E402
@@ -196,11 +196,11 @@ def fp8_jobs(dtype="bf16", target_arch=90):
         yield (f"fp8 dequantize D={head_dim}", fp8_dequantize_kernel,  # fp8="forward"'s backward: Q and K
                {"Q": fp8, "S": "*fp32", "OUT": f"*{dtype}"},
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
-                    ROWS=fp8_quant.DEQUANT_ELEMENTS // head_dim), 4, 3)
+                    ROWS=configs.row_pass_rows(1 << 20, head_dim)), 4, 3)
         for source in ("*fp32", f"*{dtype}"):  # dK's centring: fp8="full"'s (fp32 dK), fp8="forward"'s
             yield (f"centre D={head_dim} from {source[1:]}", centre_kernel,
                    {"X": source, "MEAN": "*fp32", "Y": f"*{dtype}"},
-                   dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, ROWS=CENTRE_ELEMENTS // head_dim), 4, 3)
+                   dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, ROWS=configs.row_pass_rows(1 << 20, head_dim)), 4, 3)
         # the forward transform (hadamard_transform), the inverse (dQ, dK back), the centred forward (tests) and
         # the centred inverse (fp8="forward"'s dK)
         for signs_first, centre in ((True, False), (False, False), (True, True), (False, True)):
