@@ -49,11 +49,23 @@ Numerics:
   summed into the output accumulator by the tensor core (kept in units of the current V tile's scale; the
   ratios are powers of two), which rounds the sum differently (outputs within 4e-3 of the other kernel's in
   bf16 units on the H200; the LSE bit-identical). Its V^T has the keys of each group of 32 in another order
-  (the sum over keys is unchanged; see that module).
+  (the sum over keys is unchanged; see that module). At head_dim 128 it sums the scores in float16
+  (``configs.FP8_HOPPER_FWD_CONFIGS``) and runs the softmax on float16 pairs: Q and K are then quantised with
+  their tiles' amax in (8, 16] (``configs.FP8_SCORES_AMAX``; e4m3's subnormals start at amax / 1024), so no
+  |Q8 K8^T| exceeds 128 * 16 * 16 = 32768 < 65504; the tensor core rounds each score to float16 (relative error
+  ~2^-11, against e4m3's 2^-4 on every element of Q and K); the scale enters as a float16 value: the softmax
+  scale * log2(e) rounded to float16 (``attention_fp8_fwd.f16_softmax_scale``, within 2^-11; the op passes that
+  scale on to its LSE and backward), times the tile scales (powers of two), clamped at 65504 (reached only for
+  Q and K tiles with amax(Q) * amax(K) above ~10^8 at the default scale: their scores would come out scaled
+  down); the exponent's offset is rounded down in float16, and the max it stands for is the row max the LSE
+  keeps, so P448 <= 448; the exponential is ``ex2.approx.f16x2``; the row sum adds each thread's values in
+  float16 (at most 32 of them, <= 448 each), then fp32. On the H200 the output's error against float64 is
+  within 1% of the fp32 scores' (benchmarks/NOTES.md, twentieth session).
 * ``fp8="forward"``: the backward runs the 16-bit kernels on the scores the forward computed: the forward
   saves its FP8 (rotated) Q and K with their scales, and the backward dequantises them (exact in the input
-  dtype), so P recomputed from them and the forward's LSE is the forward's P (rows sum to one); V, dO and the
-  forward's output enter unquantised. The gradient passes straight through the quantisation (and back
+  dtype), so P recomputed from them and the forward's LSE is the forward's P (rows sum to one; up to the float16
+  rounding of the scores where the Hopper kernel sums them in float16); V, dO and the forward's output enter
+  unquantised. The gradient passes straight through the quantisation (and back
   through the rotation).
 * ``fp8="full"`` (``flashtrain.kernels.attention_fp8_bwd``): Q, K (rotated again, in the input dtype), V and dO
   are quantised per tile of 128 rows on the GPU (``configs.fp8_bwd_tiles``; an all-zero Q or dO tile reports
@@ -96,7 +108,7 @@ from torch import Tensor
 from .attention import kernel_dlse
 from .kernels.attention_bwd import attention_bwd
 from .kernels.attention_fp8_bwd import attention_fp8_bwd
-from .kernels.attention_fp8_fwd import attention_fp8_fwd, fp8_tiles
+from .kernels.attention_fp8_fwd import attention_fp8_fwd, fp8_forward_scale, fp8_tiles
 from .kernels.attention_fwd import LOG2E
 from .kernels.centring import centre
 from .kernels.configs import cdiv
@@ -327,6 +339,9 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, m
     With smooth_k the kernels see K - mean(K): query i's scores all move by -scale * q_i . mean(K), which
     softmax ignores, and the LSE by the same, added back here (plain autograd: its gradient reaches q and k).
     """
+    # where the FP8 Hopper forward sums the scores in float16 it applies the scale as a float16 value: the op and
+    # its backward take that one
+    scale = fp8_forward_scale(q, k, causal, scale, padded_dim(q.shape[-1]) if hadamard else q.shape[-1])
     attend = _attention_fp8_fwd_op if torch.compiler.is_compiling() else _EagerFP8Attention.apply
     out, lse = attend(q, k, v, causal, scale, hadamard, mode == "full", smooth_k)[:2]
     if not need_lse:

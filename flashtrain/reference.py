@@ -53,15 +53,16 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     return out.to(dtype), lse
 
 
-def fp8_quantize_ref(x: torch.Tensor, block_n: int):
-    """Per-tile e4m3 quantisation (see flashtrain.kernels.fp8_quant): returns (q, scales) like the kernel."""
+def fp8_quantize_ref(x: torch.Tensor, block_n: int, amax_to: float = 448.0):
+    """Per-tile e4m3 quantisation (see flashtrain.kernels.fp8_quant): returns (q, scales) like the kernel, each
+    tile's largest magnitude scaled into (amax_to / 2, amax_to]."""
     batch, heads, seq, head_dim = x.shape
     tiles = -(-seq // block_n)
     padded = torch.zeros(batch, heads, tiles * block_n, head_dim, dtype=torch.float32, device=x.device)
     padded[:, :, :seq] = x.float()
     padded = padded.view(batch, heads, tiles, block_n, head_dim)
     amax = padded.abs().amax(dim=(-1, -2))  # (B, H, tiles)
-    scales = torch.where(amax > 0, pow2_at_least(amax / 448.0), torch.ones_like(amax))
+    scales = torch.where(amax > 0, pow2_at_least(amax / amax_to), torch.ones_like(amax))
     q = (padded / scales[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(batch, heads, tiles * block_n, head_dim)[:, :, :seq], scales
 

@@ -25,7 +25,7 @@ import triton.language as tl
 from . import configs
 from .attention_fwd import (LOG2E, _load_rows, _query_block_key_range, _visible, allocate_outputs, hopper_device_ready,
                             hopper_mode_allows, hopper_module)
-from .fp8_quant import _to_e4m3, fp8_quantize, quantize_scores_operands
+from .fp8_quant import E4M3_MAX, _to_e4m3, fp8_quantize, quantize_scores_operands
 
 LOG2_448 = tl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
 
@@ -160,19 +160,25 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
     q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), float16/bfloat16, validated by the caller. ``signs`` (D'):
     Q and K are rotated by the Hadamard transform before they are quantised (q8, k8 are (B, H, N, D')), or
     None; ``k_mean`` (B, H_kv, D) float32: subtracted from K first (K smoothing), or None
-    (``quantize_scores_operands``). V is never rotated.
+    (``quantize_scores_operands``). V is never rotated. Where the FP8 Hopper kernel sums the scores in float16
+    (``fp8_scores_in_f16``), Q and K are quantised to ``configs.FP8_SCORES_AMAX`` and the kernel applies
+    ``f16_softmax_scale(scale)``; ``fp8_forward_scale`` gives the scale to pass (``flashtrain.fp8`` does), so
+    that the result and its backward use one scale.
     """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     out, lse, done = allocate_outputs(q, k)
     cfg = fp8_launch_config(q, k)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    q8, q_scales, k8, k_scales = quantize_scores_operands(q, k, block_m, block_n, signs, k_mean)
+    qk_dim = head_dim if signs is None else signs.numel()
+    hopper = not done and fp8_hopper_forward_applies(q, k, qk_dim, causal, scale)
+    # where the Hopper kernel sums the scores in float16, Q and K are quantised so that no score exceeds it
+    amax_to = configs.FP8_SCORES_AMAX if hopper and fp8_scores_in_f16(head_dim) else E4M3_MAX
+    q8, q_scales, k8, k_scales = quantize_scores_operands(q, k, block_m, block_n, signs, k_mean, amax_to=amax_to)
     quantized = (q8, q_scales, k8, k_scales)
     if done:
         return out, lse, quantized
-    qk_dim = q8.shape[3]
-    if fp8_hopper_forward_applies(q8, k8, head_dim, causal, scale):
+    if hopper:
         # V^T with its keys in the Hopper kernel's P order: (B, H_kv, D, cdiv(N_k, 32) * 32)
         vt8, v_scales = fp8_quantize(v, block_n, transposed=True, mma_key_order=True)
         hopper_module("attention_fp8_fwd_hopper").attention_fp8_fwd_hopper(
@@ -190,26 +196,55 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
     return out, lse, quantized
 
 
-def fp8_hopper_forward_applies(q8: torch.Tensor, k8: torch.Tensor, head_dim: int, causal: bool,
-                               scale: float) -> bool:
-    """Whether ``attention_fp8_fwd`` runs the warp-specialised FP8 Hopper kernel (attention_fp8_fwd_hopper.py) on
-    these quantised Q and K and a V of ``head_dim``: ``hopper_mode_allows`` (with ``configs.hopper_forward``'s
-    mode), Q/K rows as wide as V's with a config in FP8_HOPPER_FWD_CONFIGS, causal only with seq_q <= seq_k (every
-    row sees a key), a scale > 0 (the row max is taken before scaling), in "auto" mode a sequence of at least
-    FP8_HOPPER_FWD_MIN_SEQ (None: never), and ``hopper_device_ready`` (TMA-addressable tiles, sm_90, Gluon; V^T
-    is quantised into a TMA-aligned layout)."""
+F16_NORMAL_MIN, F16_MAX = 2.0 ** -14, 65504.0  # float16's smallest normal and largest finite values
+
+
+def fp8_hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, qk_dim: int, causal: bool, scale: float) -> bool:
+    """Whether ``attention_fp8_fwd`` runs the warp-specialised FP8 Hopper kernel (attention_fp8_fwd_hopper.py) for
+    these inputs, whose Q and K rows are ``qk_dim`` wide once rotated: ``hopper_mode_allows`` (with
+    ``configs.hopper_forward``'s mode), Q/K rows as wide as V's with a config in FP8_HOPPER_FWD_CONFIGS, causal
+    only with seq_q <= seq_k (every row sees a key), a scale > 0 (the row max is taken before scaling), in "auto"
+    mode a sequence of at least FP8_HOPPER_FWD_MIN_SEQ (None: never), where the scores are summed in float16 a
+    scale * log2(e) in float16's normal range, and ``hopper_device_ready`` (an sm_90 GPU
+    and Gluon; the quantised Q, K and V^T the kernel reads are allocated TMA-aligned). Decided before the
+    quantisation, which depends on it (``fp8_scores_in_f16``)."""
     mode = configs.hopper_forward_mode()
-    if not hopper_mode_allows(mode, q8):
+    if not hopper_mode_allows(mode, q):
         return False
-    seq_q, seq_k = q8.shape[2], k8.shape[2]
-    if q8.shape[3] != head_dim or head_dim not in configs.FP8_HOPPER_FWD_CONFIGS:
+    head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
+    if qk_dim != head_dim or head_dim not in configs.FP8_HOPPER_FWD_CONFIGS:
         return False
     if (causal and seq_q > seq_k) or not scale > 0:
         return False
     min_seq = configs.FP8_HOPPER_FWD_MIN_SEQ[(head_dim, causal)]
     if mode == "auto" and (min_seq is None or max(seq_q, seq_k) < min_seq):
         return False
-    return hopper_device_ready((q8, k8), "attention_fp8_fwd_hopper")
+    if fp8_scores_in_f16(head_dim) and not F16_NORMAL_MIN <= scale * LOG2E <= F16_MAX:
+        return False  # the scale is applied as a float16 value: one outside float16's normal range is not
+    return hopper_device_ready((), "attention_fp8_fwd_hopper", device=q.device)
+
+
+def fp8_scores_in_f16(head_dim: int) -> bool:
+    """Whether the FP8 Hopper forward at ``head_dim`` sums its scores in float16 (``configs.FP8_HOPPER_FWD_CONFIGS``):
+    then Q and K are quantised to ``configs.FP8_SCORES_AMAX`` and the scores' scale is used as its float16 value
+    (``f16_softmax_scale``)."""
+    return head_dim in configs.FP8_HOPPER_FWD_CONFIGS and configs.fp8_hopper_fwd_meta(head_dim, False)["F16_SCORES"]
+
+
+def fp8_forward_scale(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, qk_dim: int) -> float:
+    """The softmax scale ``attention_fp8_fwd`` applies for these inputs (Q and K rows ``qk_dim`` wide once rotated):
+    ``f16_softmax_scale(scale)`` where the FP8 Hopper kernel sums the scores in float16, else ``scale``."""
+    if fp8_scores_in_f16(q.shape[3]) and fp8_hopper_forward_applies(q, k, qk_dim, causal, scale):
+        return f16_softmax_scale(scale)
+    return scale
+
+
+def f16_softmax_scale(scale: float) -> float:
+    """The softmax scale the float16 scores apply: scale * log2(e), as the kernel receives it (float32), rounded
+    to float16, divided by log2(e) again. Passing it in returns it (the kernel then rounds nothing), so the
+    backward can recompute the forward's probabilities with it. Relative change at most 2^-11."""
+    qk16 = torch.tensor(scale * LOG2E, dtype=torch.float32).to(torch.float16).item()
+    return qk16 / LOG2E
 
 
 def fp8_launch_config(q: torch.Tensor, k: torch.Tensor) -> dict:

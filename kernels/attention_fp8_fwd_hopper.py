@@ -31,6 +31,18 @@ again for the wgmma); carried in fp32 up to its wgmma, it would hold four times 
 scores' wgmma is in flight. Read from the sm_90 SASS at head_dim 128, the inner loop's instructions per step:
 720 with the shuffle, 673 without, 485 with P carried in fp32, 464 packed (benchmarks/NOTES.md).
 
+With F16_SCORES (head_dim 128, ``configs.FP8_HOPPER_FWD_CONFIGS``) the FP8 wgmma sums Q8 K8^T in float16: Q and K
+come quantised with amax in (8, 16] (``configs.FP8_SCORES_AMAX``), so no score exceeds 32768. The accumulator
+holds a thread's columns 2t and 2t + 1 in one register, and the softmax works on those pairs
+(``_fp8_softmax_step_f16``): the row max and row sum fold pairs with one f16x2 instruction each, the exponent is
+one ``fma.rn.f16x2`` and ``ex2.approx.f16x2`` (two MUFU.EX2.F16), P448 goes to e4m3 from the pairs
+(``_pack_e4m3_pairs``). The scale c enters as a float16 value (``attention_fp8_fwd.f16_softmax_scale``); the
+exponent's offset is rounded down, so the row max kept (and the LSE) is >= the scores' and P448 <= 448. Read from
+the sm_90 SASS at head_dim 128: 437 instructions a step against 464; 64 of them PRMT merging the two MUFU halves of
+each pair, twice (for the row sum and for the conversion). The scores' wgmma is waited for as it is issued:
+Triton 3.6 unpacks an asynchronous float16 accumulator into halves before its wait, and ptxas then serialises
+every wgmma of the kernel (C7514; 558 against 760 TFLOP/s on the H200, benchmarks/NOTES.md).
+
 Per key block a warpgroup's work splits as in ``attention_fwd_hopper``: stage 1 (off-band) without masks,
 stage 2 (on-band: the diagonal and the ragged tail of seq_k) masked. ``attention_fp8_fwd`` dispatches here
 where ``fp8_hopper_forward_applies``.
@@ -70,6 +82,100 @@ def _fp8_softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, MASK:
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, 1)
     return _p_as_operand(p, p_layout, BLOCK_N), m_new, l_new, alpha
+
+
+@gluon.constexpr_function
+def _scores_dtype(f16_scores):
+    return gl.float16 if f16_scores else gl.float32
+
+
+@gluon.jit
+def _f16_pairs(x, W: gl.constexpr):
+    """(64, W) float16 -> (64, W // 2) int32, each element the columns (2i, 2i + 1) packed, the lower one in the low
+    half: the pairs an f16 wgmma accumulator keeps in one register (no instruction)."""
+    lo, hi = gl.split(gl.reshape(x, [WG_ROWS, W // 2, 2]))
+    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _fold_pairs(x, W: gl.constexpr, OP: gl.constexpr):
+    """(64, W) pairs -> (64, W // 2): pair i OP pair i + W // 2, one packed f16x2 instruction each (the split
+    dimension is a register dimension of the accumulator layout: nothing moves)."""
+    a, b = gl.split(gl.permute(gl.reshape(x, [WG_ROWS, 2, W // 2]), [0, 2, 1]))
+    return gl.inline_asm_elementwise(OP + ".f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _pairs_row_reduce(x, OP: gl.constexpr, BLOCK_N: gl.constexpr):
+    """OP ("max" or "add.rn") over each row of the (64, BLOCK_N // 2) pairs: f16x2 folds down to one pair a thread
+    and row, its two halves, then fp32 across the quad. (64,) float32."""
+    gl.static_assert(BLOCK_N == 128, "the folds below are written for key blocks of 128")
+    x = _fold_pairs(x, 64, OP)
+    x = _fold_pairs(x, 32, OP)
+    x = _fold_pairs(x, 16, OP)
+    x = _fold_pairs(x, 8, OP)
+    x = gl.inline_asm_elementwise("{ .reg .b16 l, h; mov.b32 {l, h}, $1; " + OP + ".f16 $0, l, h; }", "=h,r", [x],
+                                  dtype=gl.float16, is_pure=True, pack=1).to(gl.float32)
+    if OP == "max":
+        return gl.max(x, 1)
+    else:
+        return gl.sum(x, 1)
+
+
+@gluon.jit
+def _fp8_softmax_step_f16(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, MASK: gl.constexpr,
+                          CAUSAL: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``_fp8_softmax_step`` on raw scores s (64, BLOCK_N) summed in float16 (F16_SCORES), on f16 pairs: returns
+    (P448 as (64, BLOCK_N // 2) int32 pairs in the accumulator's column order, new row max, new row sum, alpha).
+
+    c is used as the float16 value nearest it (at most 65504): for c = q_scale * k_scale * qk_scale with
+    power-of-two tile scales that is qk_scale rounded to float16, which ``attention_fp8_fwd`` makes it already.
+    The exponent's offset is rounded down in float16, so the max it stands for (kept as the row max) is >= the
+    scores' and P448 <= 448."""
+    if MASK:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = cols[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
+        s = gl.where(visible, s, float("-inf"))
+    pairs = _f16_pairs(s, BLOCK_N)
+    pair_rows: gl.constexpr = gl.SliceLayout(1, pairs.type.layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    c16 = gl.minimum(c, 65504.0).to(gl.float16)  # 65504: float16's largest
+    # every row sees key 0 (causal needs seq_q <= seq_k), so m_new is finite from block 0 on
+    m_new = gl.maximum(m_i, gl.convert_layout(_pairs_row_reduce(pairs, "max", BLOCK_N), row_s) * c16.to(gl.float32))
+    offset = gl.inline_asm_elementwise("{ .reg .b16 t; cvt.rm.f16.f32 t, $1; mov.b32 $0, {t, t}; }", "=r,r",
+                                       [gl.convert_layout(LOG2_448 - m_new, pair_rows)], dtype=gl.int32,
+                                       is_pure=True, pack=1)  # -(m - log2(448)), rounded down, as a pair
+    m_new = LOG2_448 - gl.convert_layout(gl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l; }", "=r,r", [offset], dtype=gl.float32,
+        is_pure=True, pack=1), row_s)
+    c_pair = gl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h",
+                                       [gl.full(pairs.shape, c16, gl.float16, layout=pairs.type.layout)],
+                                       dtype=gl.int32, is_pure=True, pack=1)
+    # P448 = exp2(s * c - m + log2(448)): one HFMA2 and two MUFU.EX2.F16 a pair
+    p = gl.inline_asm_elementwise("{ .reg .b32 t; fma.rn.f16x2 t, $1, $2, $3; ex2.approx.f16x2 $0, t; }",
+                                  "=r,r,r,r", [pairs, c_pair, gl.broadcast(offset[:, None], pairs)[0]],
+                                  dtype=gl.int32, is_pure=True, pack=1)
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.convert_layout(_pairs_row_reduce(p, "add.rn", BLOCK_N), row_s)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _pack_e4m3_pairs(p, BLOCK_N: gl.constexpr):
+    """``_pack_e4m3`` from P448's f16 pairs (64, BLOCK_N // 2) in the accumulator's order: pair 16g + 8h + 4a + t
+    holds columns 32g + 16h + 8a + 2t + {0, 1}, that is k indices 32g + 16h + 4t + 2a + {0, 1} of the A operand
+    (``_p_as_operand``), so a thread's register for k 4t..4t+3 is made of its pairs a = 0 and a = 1."""
+    p = gl.permute(gl.reshape(p, [WG_ROWS, BLOCK_N // 32, 2, 2, 4]), [0, 1, 2, 4, 3])  # (rows, g, h, t, a)
+    lo, hi = gl.split(p)
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f16x2 lo, $1; cvt.rn.satfinite.e4m3x2.f16x2 hi, $2; "
+        "mov.b32 $0, {lo, hi}; }", "=r,r,r", [gl.reshape(lo, [WG_ROWS, BLOCK_N // 4]),
+                                              gl.reshape(hi, [WG_ROWS, BLOCK_N // 4])],
+        dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -113,11 +219,12 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_sme
                        kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
                        CAUSAL: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, KV_TILE: gl.constexpr,
-                       s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                       F16_SCORES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                       p_layout: gl.constexpr):
     """Key blocks [lo, hi). Step j: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together, the softmax of
     S_j under the latter, slot j - 1 handed back, then acc rescaled for m_j and to V tile j's units. Returns
     the state after block hi - 1 (p: its P448 packed as e4m3, not yet times V; vs_prev: its V tile's scale)."""
-    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], _scores_dtype(F16_SCORES), layout=s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     for j in range(lo, hi):
         slot = j % STAGES
@@ -127,17 +234,30 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_sme
         vs = gl.load(VS + tile)
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         _wait_turn(j, WG, PINGPONG)
-        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(prev).permute((1, 0)), acc,
-                            is_async=True)
-        _pass_turn(j, n_blocks, WG, CONSUMERS, PINGPONG)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # groups complete in order: S_j first
-        p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, rows, j * BLOCK_N, seq_k, causal_offset, c, MASK,
-                                               CAUSAL, s_layout, p_layout, BLOCK_N)
+        if F16_SCORES:
+            # S_j waited for at once: Triton unpacks an asynchronous f16 accumulator before its wait, and ptxas
+            # then serialises every wgmma of the kernel (C7514); P_{j-1} V_{j-1} still runs under the softmax
+            s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(prev).permute((1, 0)), acc,
+                                is_async=True)
+            _pass_turn(j, n_blocks, WG, CONSUMERS, PINGPONG)
+            p, m_i, l_i, alpha = _fp8_softmax_step_f16(s, m_i, l_i, rows, j * BLOCK_N, seq_k, causal_offset, c,
+                                                       MASK, CAUSAL, s_layout, BLOCK_N)
+        else:
+            s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(prev).permute((1, 0)), acc,
+                                is_async=True)
+            _pass_turn(j, n_blocks, WG, CONSUMERS, PINGPONG)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # groups complete in order: S_j first
+            p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, rows, j * BLOCK_N, seq_k, causal_offset, c, MASK,
+                                                   CAUSAL, s_layout, p_layout, BLOCK_N)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         # rounded only now: rewriting the packed registers while P_{j-1} V_{j-1} reads them serialises every
         # wgmma (ptxas C7513)
-        p = _pack_e4m3(p, BLOCK_N)
+        if F16_SCORES:
+            p = _pack_e4m3_pairs(p, BLOCK_N)
+        else:
+            p = _pack_e4m3(p, BLOCK_N)
         mbarrier.arrive(empty.index(prev), count=1)
         # to units of V tile j's scale, rescaled for m_j: both factors per row, the ratio exact (powers of two)
         acc = acc * gl.convert_layout(alpha * (vs_prev / vs), row_o)[:, None]
@@ -150,7 +270,8 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
                            seq_q, seq_k, cta_start_m, q_scale, kv_tile0, n_blocks, causal_offset, qk_scale,
                            QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                           CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+                           CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, F16_SCORES: gl.constexpr,
+                           WG: gl.constexpr):
     """Softmax warpgroup WG: query rows [start_m, start_m + 64), start_m = cta_start_m + 64 * WG."""
     start_m = cta_start_m + WG * WG_ROWS
     # FP8 wgmma: instruction k of 32 (bytes per row of a 32-element e4m3 slice)
@@ -175,26 +296,37 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
     vs_prev = gl.load(VS + kv_tile0)
     mbarrier.wait(ready.index(0), 0)
     _wait_turn(0, WG, PINGPONG)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)),
-                      gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-    _pass_turn(0, n_blocks, WG, CONSUMERS, PINGPONG)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    if n_free > 0:
-        p, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, False, CAUSAL, s_layout,
-                                           p_layout, BLOCK_N)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], _scores_dtype(F16_SCORES), layout=s_layout)
+    if F16_SCORES:  # synchronous, as in _fp8_attend_blocks
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        _pass_turn(0, n_blocks, WG, CONSUMERS, PINGPONG)
+        if n_free > 0:
+            p, m_i, l_i, _ = _fp8_softmax_step_f16(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, False, CAUSAL,
+                                                   s_layout, BLOCK_N)
+        else:
+            p, m_i, l_i, _ = _fp8_softmax_step_f16(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, True, CAUSAL,
+                                                   s_layout, BLOCK_N)
+        p = _pack_e4m3_pairs(p, BLOCK_N)
     else:
-        p, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, True, CAUSAL, s_layout,
-                                           p_layout, BLOCK_N)
-    p = _pack_e4m3(p, BLOCK_N)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _pass_turn(0, n_blocks, WG, CONSUMERS, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        if n_free > 0:
+            p, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, False, CAUSAL,
+                                               s_layout, p_layout, BLOCK_N)
+        else:
+            p, m_i, l_i, _ = _fp8_softmax_step(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, True, CAUSAL,
+                                               s_layout, p_layout, BLOCK_N)
+        p = _pack_e4m3(p, BLOCK_N)
     # stage 1: off-band, no mask; stage 2: on-band, masked
     p, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
         1, n_free, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS, kv_tile0,
         q_scale, n_blocks, seq_k, causal_offset, qk_scale, False, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N,
-        KV_TILE, s_layout, o_layout, p_layout)
+        KV_TILE, F16_SCORES, s_layout, o_layout, p_layout)
     p, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
         gl.maximum(n_free, 1), n_blocks, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows,
         KS, VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, True, CAUSAL, WG, CONSUMERS, PINGPONG,
-        STAGES, BLOCK_N, KV_TILE, s_layout, o_layout, p_layout)
+        STAGES, BLOCK_N, KV_TILE, F16_SCORES, s_layout, o_layout, p_layout)
     last = (n_blocks - 1) % STAGES
     acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(last).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -222,7 +354,7 @@ def attention_fp8_fwd_hopper_kernel(
     seq_q, seq_k, qk_scale,
     GROUP: gl.constexpr, QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, F16_SCORES: gl.constexpr,
 ):
     """One program: 128 query rows of one (batch, head). Grid (cdiv(seq_q, 128), H_q, B).
 
@@ -274,11 +406,11 @@ def attention_fp8_fwd_hopper_kernel(
         (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, KS, VS, o_base, LSE, lse_row0, stride_om,
                                   stride_od, seq_q, seq_k, start_m, q_scale, kv_tile0, n_blocks, causal_offset,
                                   qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
-                                  0)),
+                                  F16_SCORES, 0)),
         (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, KS, VS, o_base, LSE, lse_row0, stride_om,
                                   stride_od, seq_q, seq_k, start_m, q_scale, kv_tile0, n_blocks, causal_offset,
                                   qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
-                                  1)),
+                                  F16_SCORES, 1)),
         (_kv_loader, (k_desc, vt_desc, k_smem, vt_smem, ready, empty, n_blocks, BLOCK_N, STAGES, True)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 

@@ -327,12 +327,14 @@ def hopper_inputs_qualify(mode: str, q: torch.Tensor, key_padding_mask: torch.Te
     return q.dtype in (torch.float16, torch.bfloat16) and key_padding_mask is None and not dropout_p > 0
 
 
-def hopper_device_ready(tensors: tuple[torch.Tensor, ...], module: str) -> bool:
-    """The rest of those shared rules: tiles of every tensor TMA can address, an sm_90 GPU, and a triton with
-    Gluon's Hopper API to build the kernel module ``module`` (``hopper_module``)."""
+def hopper_device_ready(tensors: tuple[torch.Tensor, ...], module: str, device: torch.device | None = None) -> bool:
+    """The rest of those shared rules: tiles of every tensor TMA can address, an sm_90 GPU (``device``, or the
+    first tensor's), and a triton with Gluon's Hopper API to build the kernel module ``module``
+    (``hopper_module``)."""
     if not all(_tma_addressable(t) for t in tensors):
         return False
-    return torch.cuda.get_device_capability(tensors[0].device) == (9, 0) and hopper_module(module) is not None
+    device = tensors[0].device if device is None else device
+    return torch.cuda.get_device_capability(device) == (9, 0) and hopper_module(module) is not None
 
 
 def _tma_addressable(t: torch.Tensor) -> bool:

@@ -71,12 +71,12 @@ def _pow2_at_least(x):
 
 
 @triton.jit
-def _tile_scale(amax, POW2_SCALE: tl.constexpr):
-    """A tile's scale from its largest magnitude: amax / 448 (448: e4m3's largest finite value), rounded up to
-    a power of two if POW2_SCALE; 1 for an all-zero tile."""
+def _tile_scale(amax, POW2_SCALE: tl.constexpr, AMAX_TO: tl.constexpr = 448.0):
+    """A tile's scale from its largest magnitude: amax / AMAX_TO (default 448, e4m3's largest finite value),
+    rounded up to a power of two if POW2_SCALE; 1 for an all-zero tile."""
     if POW2_SCALE:
-        return tl.where(amax > 0.0, _pow2_at_least(amax / 448.0), 1.0)
-    return tl.where(amax > 0.0, amax / 448.0, 1.0)
+        return tl.where(amax > 0.0, _pow2_at_least(amax / AMAX_TO), 1.0)
+    return tl.where(amax > 0.0, amax / AMAX_TO, 1.0)
 
 
 @triton.jit
@@ -199,7 +199,8 @@ def _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_t
                    stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                    CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, SECOND_COPY: tl.constexpr):
+                   ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, SECOND_COPY: tl.constexpr,
+                   AMAX_TO: tl.constexpr):
     """Quantise tile ``tile`` (rows [tile * BLOCK_N, + BLOCK_N)) of one (batch, head) and store its scale."""
     OUT_DIM: tl.constexpr = BLOCK_D if ROTATE else HEAD_DIM
     if CHUNK == BLOCK_N:  # the whole tile in registers: one read
@@ -207,7 +208,7 @@ def _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_t
         x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                         norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
         amax = tl.max(tl.max(tl.abs(x), 1), 0)
-        scale = _tile_scale(amax, True)
+        scale = _tile_scale(amax, True, AMAX_TO)
         q = _quantize_with_scale(x, scale)
         _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
                       BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
@@ -218,7 +219,7 @@ def _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_t
             x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                             norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
-        scale = _tile_scale(amax, True)
+        scale = _tile_scale(amax, True, AMAX_TO)
         for c in tl.static_range(0, BLOCK_N, CHUNK):
             rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
             x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
@@ -241,6 +242,7 @@ def fp8_quantize_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
     CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, SECOND_COPY: tl.constexpr,
+    AMAX_TO: tl.constexpr,
 ):
     """One program: TILES consecutive tiles of BLOCK_N rows of one (batch, head). Grid
     (cdiv(cdiv(seq, BLOCK_N), TILES), H, B).
@@ -256,6 +258,7 @@ def fp8_quantize_kernel(
     written (store_rows >= seq; rows past seq as zeros); MMA_KEY_ORDER: in the order of ``_in_mma_key_order``
     (CHUNK and store_rows multiples of 32). SECOND_COPY: the same e4m3 rows are also stored through QT's
     strides (stride_t*: another layout of Q's shape, such as the transposed one), without MMA_KEY_ORDER.
+    AMAX_TO: each tile's largest magnitude lands in (AMAX_TO / 2, AMAX_TO] (``_tile_scale``).
     """
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -269,14 +272,14 @@ def fp8_quantize_kernel(
         _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tl.program_id(0), n_tiles, stride_xn,
                        stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                        HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION, ZERO_SCALE_IF_EMPTY,
-                       MMA_KEY_ORDER, SECOND_COPY)
+                       MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
     else:  # a loop, so that the compiler's pipelining loads the next tile while this one is rotated
         first = tl.program_id(0) * TILES
         for tile in tl.range(first, tl.minimum(first + TILES, n_tiles)):
             _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn, stride_xd,
                            stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo, HEAD_DIM,
                            BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION, ZERO_SCALE_IF_EMPTY,
-                           MMA_KEY_ORDER, SECOND_COPY)
+                           MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
 
 
 # Elements (fp32) of one chunk of rows the quantisation kernel holds in registers at a time, at 4 warps.
@@ -340,7 +343,7 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool) -> dict
 @configs.on_input_device
 def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None,
                  signs: torch.Tensor | None = None, transposed: bool = False, empty_tile_scale: float = 1.0,
-                 mma_key_order: bool = False, with_transposed: bool = False):
+                 mma_key_order: bool = False, with_transposed: bool = False, amax_to: float = E4M3_MAX):
     """Quantise x (B, H, N, D) to e4m3 with one fp32 scale per tile of ``block_n`` rows.
 
     Returns (q, scales): q (B, H, N, D) float8_e4m3fn, contiguous; scales (B, H, cdiv(N, block_n)) float32,
@@ -358,15 +361,22 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     ``with_transposed`` (not with ``transposed``): returns (q, scales, q_t), q_t the same bytes in the layout of
     ``transposed=True``, from the same launch for 16-bit x (one read of x and one rotation for both copies, as
     the FP8 backward needs them; two launches for float32 x).
+    ``amax_to``: the magnitude a tile's largest value is scaled to, in (amax_to / 2, amax_to]: 448 (default, e4m3's
+    largest) or a power of two from 1 to 256. A smaller one bounds the products of two quantised values (the FP8
+    Hopper forward sums Q8 K8^T in float16 with Q and K at 16: ``configs.FP8_SCORES_AMAX``); e4m3's subnormals
+    then start at amax / (64 * amax_to) instead of amax / 28672.
     """
+    if amax_to != E4M3_MAX and not (amax_to in [2.0 ** e for e in range(9)]):
+        raise ValueError(f"fp8_quantize: amax_to={amax_to!r}; expected 448.0 or a power of two from 1 to 256")
     if with_transposed and (transposed or mma_key_order):
         raise ValueError(f"fp8_quantize: with_transposed=True returns the row-major q and a transposed copy; "
                          f"got transposed={transposed!r}, mma_key_order={mma_key_order!r} with it")
     if with_transposed and x.dtype not in (torch.float16, torch.bfloat16):
         # two launches: one storing both layouts wrote wrong bytes into one of them for float32 x on the H200
         # (triton 3.6, 16-bit x right; benchmarks/NOTES.md), and the interpreter's bytes were right throughout
-        q, scales = fp8_quantize(x, block_n, mean=mean, signs=signs, empty_tile_scale=empty_tile_scale)
-        return q, scales, fp8_quantize(x, block_n, mean=mean, signs=signs, transposed=True)[0]
+        q, scales = fp8_quantize(x, block_n, mean=mean, signs=signs, empty_tile_scale=empty_tile_scale,
+                                 amax_to=amax_to)
+        return q, scales, fp8_quantize(x, block_n, mean=mean, signs=signs, transposed=True, amax_to=amax_to)[0]
     if empty_tile_scale not in (0.0, 1.0):
         raise ValueError(f"fp8_quantize: empty_tile_scale={empty_tile_scale!r}; expected 1.0 or 0.0")
     if mma_key_order and not (transposed and block_n % 32 == 0):
@@ -410,7 +420,7 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, CENTRE=mean is not None, ROTATE=rotate,
             DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32",
             ZERO_SCALE_IF_EMPTY=empty_tile_scale == 0.0, MMA_KEY_ORDER=mma_key_order, SECOND_COPY=with_transposed,
-            **launch)
+            AMAX_TO=float(amax_to), **launch)
     if with_transposed:
         return q, scales, q_t.transpose(2, 3)
     return (q.transpose(2, 3) if transposed else q), scales
@@ -426,11 +436,12 @@ def rotation_matrix(method: str, block_d: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mean=None):
+def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mean=None, amax_to: float = E4M3_MAX):
     """(q8, q_scales, k8, k_scales): Q and K as FP8 scores take them. With ``signs`` (D'), both go through the
     Hadamard rotation first (q8, k8 then (B, H, N, D')); with ``k_mean`` (B, H_kv, D) float32, K is centred
-    before (K smoothing), inside the quantisation kernel."""
-    return (*fp8_quantize(q, block_q, signs=signs), *fp8_quantize(k, block_k, mean=k_mean, signs=signs))
+    before (K smoothing), inside the quantisation kernel. ``amax_to``: as ``fp8_quantize``'s, for both."""
+    return (*fp8_quantize(q, block_q, signs=signs, amax_to=amax_to),
+            *fp8_quantize(k, block_k, mean=k_mean, signs=signs, amax_to=amax_to))
 
 
 @triton.jit

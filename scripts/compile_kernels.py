@@ -187,12 +187,22 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                    f"{' zero-scale' if zero else ''}{' both layouts' if second else ''}", fp8_quantize_kernel,
                    quant_ptr, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=centre, ROTATE=rotate,
                                    DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=zero, MMA_KEY_ORDER=False,
-                                   SECOND_COPY=second, **launch), warps, stages)
+                                   SECOND_COPY=second, AMAX_TO=fp8_quant.E4M3_MAX, **launch), warps, stages)
+        if head_dim in configs.FP8_HOPPER_FWD_CONFIGS and configs.fp8_hopper_fwd_meta(head_dim, False)["F16_SCORES"]:
+            for centre in (False, True):  # Q and K for the FP8 Hopper forward's float16 scores
+                launch = fp8_quant.quant_launch(128, head_dim, True, centre)
+                warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
+                yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''} rotated to {configs.FP8_SCORES_AMAX}",
+                       fp8_quantize_kernel, quant_ptr,
+                       dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=centre, ROTATE=True,
+                            DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=False, MMA_KEY_ORDER=False, SECOND_COPY=False,
+                            AMAX_TO=configs.FP8_SCORES_AMAX, **launch), warps, stages)
         launch = fp8_quant.quant_launch(128, head_dim, False, False)
         warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
         yield (f"fp8 quantize D={head_dim} mma key order", fp8_quantize_kernel, quant_ptr,  # V for the Hopper forward
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=False, ROTATE=False, DOT_PRECISION="tf32",
-                    ZERO_SCALE_IF_EMPTY=False, MMA_KEY_ORDER=True, SECOND_COPY=False, **launch), warps, stages)
+                    ZERO_SCALE_IF_EMPTY=False, MMA_KEY_ORDER=True, SECOND_COPY=False, AMAX_TO=fp8_quant.E4M3_MAX,
+                    **launch), warps, stages)
         yield (f"fp8 dequantize D={head_dim}", fp8_dequantize_kernel,  # fp8="forward"'s backward: Q and K
                {"Q": fp8, "S": "*fp32", "OUT": f"*{dtype}"},
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,

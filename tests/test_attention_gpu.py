@@ -10,6 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtrain import flash_attention
 from flashtrain.kernels import configs
+from flashtrain.kernels.attention_fp8_fwd import fp8_scores_in_f16
 from flashtrain.reference import attention_ref
 from flashtrain.testing import TOLERANCE, assert_close, rel_error
 
@@ -388,6 +389,22 @@ def fp8_forward_both_ways(q, k, v, causal, **kwargs):
     return hopper, triton_
 
 
+def assert_fp8_hopper_forward_agrees(out, lse, ref_out, ref_lse, head_dim):
+    """The FP8 Hopper forward's (out, lse) against the Triton FP8 kernel's. Where it sums the scores in fp32 (head_dim
+    256), on the same quantised operands: the same LSE bits (the softmax is the same computation) and the output
+    within 1e-2 of the Triton one's largest value (the wgmma sums P V into its accumulator with its own FP8
+    accumulation precision; measured at most 4e-3 in bf16 units). Where it sums them in float16 (head_dim 128: Q and
+    K quantised to 16, not 448, so other e4m3 roundings, and the scale rounded to float16): the LSE within 1e-2 (the
+    two measured 5e-3 apart at most on the H200, benchmarks/NOTES.md) and the outputs within 3e-2 of each other
+    (relative RMSE; 1.4e-2 measured)."""
+    if fp8_scores_in_f16(head_dim):
+        assert (lse - ref_lse).abs().max() <= 1e-2
+        assert rel_error(out, ref_out) <= 3e-2
+    else:
+        assert torch.equal(lse, ref_lse)
+        assert (out.float() - ref_out.float()).abs().max() <= 1e-2 * ref_out.float().abs().max()
+
+
 @needs_hopper
 @pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -395,28 +412,48 @@ def fp8_forward_both_ways(q, k, v, causal, **kwargs):
                                    (1, 2, 2, 37, 1000, 128), (1, 4, 1, 300, 300, 256), (2, 3, 3, 1000, 1000, 256),
                                    (1, 4, 2, 4096, 4096, 128)], ids=str)
 def test_fp8_hopper_forward_odd_shapes(shape, causal, monkeypatch):
-    """The FP8 Hopper forward against the Triton FP8 kernel on the same quantised operands: the same LSE bits
-    (the softmax is the same computation), the output within 1e-2 of the Triton one's largest value (the wgmma
-    sums P V into its accumulator with its own FP8 accumulation precision; measured at most 4e-3 in bf16 units),
-    and as close to float64 attention as the Triton kernel (bf16 inputs, GQA, seq_q != seq_k, ragged tails,
-    outputs poisoned)."""
+    """The FP8 Hopper forward against the Triton FP8 kernel (``assert_fp8_hopper_forward_agrees``) and as close to
+    float64 attention as it, within 2% (bf16 inputs, GQA, seq_q != seq_k, ragged tails, outputs poisoned)."""
     batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
     torch.manual_seed(seq_q + head_dim)
     q = randn(batch, heads_q, seq_q, head_dim, dtype=torch.bfloat16)
     k, v = (randn(batch, heads_kv, seq_k, head_dim, dtype=torch.bfloat16) for _ in range(2))
     launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
     (out, lse), (ref_out, ref_lse) = fp8_forward_both_ways(q, k, v, causal)
-    assert len(launches) == 1 and torch.isfinite(out).all()
-    assert torch.equal(lse, ref_lse)
-    assert (out.float() - ref_out.float()).abs().max() <= 1e-2 * ref_out.float().abs().max()
+    assert len(launches) == 1 and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_fp8_hopper_forward_agrees(out, lse, ref_out, ref_lse, head_dim)
     exact = attention_ref(q.double(), k.double(), v.double(), causal=causal)[0]
     assert rel_error(out, exact) <= 1.02 * rel_error(ref_out, exact) + 1e-4
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_hopper_forward_f16_scores_backward(causal, monkeypatch):
+    """fp8="forward"'s backward after the FP8 Hopper forward that sums the scores in float16 (head_dim 128; its
+    scale rounded to float16, Q and K quantised to 16): the gradients as close to float64 attention's as after the
+    Triton FP8 forward, within 10% (+1e-3), so the recomputed probabilities match the forward's LSE."""
+    torch.manual_seed(7)
+    q = randn(2, 4, 1000, 128, dtype=torch.bfloat16).requires_grad_()
+    k, v = (randn(2, 2, 1000, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    dout = randn(2, 4, 1000, 128, dtype=torch.bfloat16)
+    launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
+    grads = {}
+    for mode in ("always", "never"):
+        with configs.hopper_forward(mode):
+            out = flash_attention(q, k, v, causal=causal, fp8="forward")
+        grads[mode] = torch.autograd.grad(out, (q, k, v), dout)
+    assert len(launches) == 1
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    exact = torch.autograd.grad(attention_ref(qd, kd, vd, causal=causal)[0], (qd, kd, vd), dout.double())
+    for name, g, g_triton, e in zip(("dq", "dk", "dv"), grads["always"], grads["never"], exact):
+        assert torch.isfinite(g).all()
+        assert rel_error(g, e) <= 1.1 * rel_error(g_triton, e) + 1e-3, (name, rel_error(g, e), rel_error(g_triton, e))
+
+
+@needs_hopper
 def test_fp8_hopper_forward_strided_views_and_modes(monkeypatch):
     """The trainer's layout (q, k, v strided views of one (B, N, 3, H, D) tensor), without rotation or K
-    smoothing too, and a long causal sequence; the LSE bit for bit and the output close, as above."""
+    smoothing too, and a long causal sequence; against the Triton FP8 kernel as above."""
     torch.manual_seed(1)
     qkv = randn(2, 1024, 3, 8, 128, dtype=torch.bfloat16)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
@@ -424,8 +461,7 @@ def test_fp8_hopper_forward_strided_views_and_modes(monkeypatch):
     launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
     for (q_, k_, v_), kwargs in (((q, k, v), {}), ((q, k, v), dict(hadamard=False, smooth_k=False)), (long, {})):
         (out, lse), (ref_out, ref_lse) = fp8_forward_both_ways(q_, k_, v_, True, **kwargs)
-        assert torch.equal(lse, ref_lse)
-        assert (out.float() - ref_out.float()).abs().max() <= 1e-2 * ref_out.float().abs().max()
+        assert_fp8_hopper_forward_agrees(out, lse, ref_out, ref_lse, q_.shape[-1])
     assert len(launches) == 3
 
 

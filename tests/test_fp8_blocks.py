@@ -13,19 +13,41 @@ from flashtrain.reference import centre_ref, fp8_dequantize_ref, fp8_quantize_re
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("shape, block_n", [((1, 2, 1, 24), 16), ((2, 2, 37, 40), 16), ((1, 1, 129, 64), 32),
                                             ((1, 2, 300, 24), 128)], ids=str)
-def test_quantize_matches_reference(shape, block_n, dtype, device):
+@pytest.mark.parametrize("amax_to", [448.0, 16.0], ids=["amax_448", "amax_16"])
+def test_quantize_matches_reference(shape, block_n, dtype, amax_to, device):
+    """Bits and scales of the reference, each tile's largest magnitude in [amax_to / 2, amax_to] (amax_to 16: Q and
+    K where the FP8 Hopper forward sums the scores in float16), and the round trip within half an e4m3 step."""
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=gen) * torch.logspace(-6, 2, shape[-1])).to(device=device, dtype=dtype)
     x = x.transpose(1, 2).contiguous().transpose(1, 2)  # strided input
-    q, scales = fp8_quantize(x, block_n)
-    ref_q, ref_scales = fp8_quantize_ref(x, block_n)
+    q, scales = fp8_quantize(x, block_n, amax_to=amax_to)
+    ref_q, ref_scales = fp8_quantize_ref(x, block_n, amax_to=amax_to)
     assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
     assert torch.equal(scales, ref_scales)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))  # bit-identical, rounding included
+    tiles = torch.nn.functional.pad(q.float(), (0, 0, 0, -x.shape[2] % block_n)).unflatten(2, (-1, block_n))
+    tile_max = tiles.abs().amax(dim=(-1, -2))
+    assert ((tile_max >= amax_to / 2) & (tile_max <= amax_to)).all()  # amax / scale in (amax_to / 2, amax_to], rounded
     # round trip: at most half an e4m3 step (2^-4 relative; 2^-10 absolute on the scaled subnormal grid)
     err = (fp8_dequantize_ref(q, scales, block_n) - x.float()).abs()
     bound = x.float().abs() * 2**-4 + scales.repeat_interleave(block_n, -1)[..., : x.shape[2], None] * 2**-10
     assert (err <= bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("shape, block_n", [((1, 2, 37, 40), 16), ((1, 1, 70, 128), 64)], ids=str)
+def test_rotated_centred_quantise_to_a_smaller_amax(shape, block_n, device):
+    """K as the FP8 Hopper forward's float16 scores take it (centred, rotated, amax_to 16): the values of the
+    reference quantisation of the Hadamard kernel's rotated, centred K (as in test_rotation_fused_into_quantise:
+    the rotation's zeros may carry a sign), and an all-zero head's tiles at scale 1."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(shape, generator=gen) * 2 + torch.randn(shape[-1], generator=gen) * 3).to(device, torch.float16)
+    x[0, 0] = 0
+    mean, signs = _seq_mean(x), random_signs(padded_dim(shape[-1]), seed=3, device=device)
+    q, scales = fp8_quantize(x, block_n, mean=mean, signs=signs, amax_to=16.0)
+    ref_q, ref_scales = fp8_quantize_ref(hadamard(x, signs, mean=mean), block_n, amax_to=16.0)
+    assert torch.equal(scales, ref_scales) and (scales[0, 0] == 1).all()
+    assert torch.equal(q.float(), ref_q.float()) and not q[0, 0].float().any()
 
 
 @pytest.mark.usefixtures("poison_allocations")
@@ -230,6 +252,8 @@ def test_quantize_bad_input():
         fp8_quantize(x, 32, mma_key_order=True)
     with pytest.raises(ValueError, match=r"got transposed=True, block_n=16"):
         fp8_quantize(x, 16, transposed=True, mma_key_order=True)
+    with pytest.raises(ValueError, match=r"fp8_quantize: amax_to=10.0; expected 448.0 or a power of two from 1 to 256"):
+        fp8_quantize(x, 16, amax_to=10.0)
     with pytest.raises(ValueError, match=r"fp8_quantize: signs has shape \(24,\); expected \(32,\)"):
         fp8_quantize(x, 16, signs=torch.ones(24))
     with pytest.raises(ValueError, match=r"hadamard: mean must be float32 of shape \(1, 2, 24\)"):
@@ -280,3 +304,16 @@ def test_simulated_fp8_attention_error_ordering():
             .mean().sqrt().item() for scheme in ("tensor", "block", "block+hadamard")}
     assert rmse["block+hadamard"] < rmse["block"] < rmse["tensor"], rmse
     assert rmse["block+hadamard"] < 0.75 * rmse["tensor"], rmse
+
+
+@pytest.mark.parametrize("scale", [128**-0.5, 64**-0.5, 0.3, 1e-3, 2.0])
+def test_f16_softmax_scale(scale):
+    """The scale the FP8 Hopper forward's float16 scores apply: float16-exact once times log2(e) in float32 (as
+    the kernel receives it), within 2^-11 of the scale asked for, and a fixed point (the backward passes it in
+    again)."""
+    from flashtrain.kernels.attention_fp8_fwd import LOG2E, f16_softmax_scale
+    rounded = f16_softmax_scale(scale)
+    qk = torch.tensor(rounded * LOG2E, dtype=torch.float32)
+    assert torch.equal(qk.half().float(), qk)
+    assert abs(rounded / scale - 1) <= 2**-11
+    assert f16_softmax_scale(rounded) == rounded
