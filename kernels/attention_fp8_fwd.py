@@ -204,10 +204,10 @@ def fp8_hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, qk_dim: int, ca
     these inputs, whose Q and K rows are ``qk_dim`` wide once rotated: ``hopper_mode_allows`` (with
     ``configs.hopper_forward``'s mode), Q/K rows as wide as V's with a config in FP8_HOPPER_FWD_CONFIGS, causal
     only with seq_q <= seq_k (every row sees a key), a scale > 0 (the row max is taken before scaling), in "auto"
-    mode a sequence of at least FP8_HOPPER_FWD_MIN_SEQ (None: never), where the scores are summed in float16 a
-    scale * log2(e) in float16's normal range, and ``hopper_device_ready`` (an sm_90 GPU
-    and Gluon; the quantised Q, K and V^T the kernel reads are allocated TMA-aligned). Decided before the
-    quantisation, which depends on it (``fp8_scores_in_f16``)."""
+    mode a sequence of at least FP8_HOPPER_FWD_MIN_SEQ (None: never), scale * log2(e) within float16's normal range
+    where the kernel sums the scores in float16, and ``hopper_device_ready`` (an sm_90 GPU and Gluon; the quantised
+    Q, K and V^T it reads are allocated TMA-aligned here). Decided before the quantisation, which depends on it
+    (``fp8_scores_in_f16``)."""
     mode = configs.hopper_forward_mode()
     if not hopper_mode_allows(mode, q):
         return False
@@ -220,7 +220,7 @@ def fp8_hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, qk_dim: int, ca
     if mode == "auto" and (min_seq is None or max(seq_q, seq_k) < min_seq):
         return False
     if fp8_scores_in_f16(head_dim) and not F16_NORMAL_MIN <= scale * LOG2E <= F16_MAX:
-        return False  # the scale is applied as a float16 value: one outside float16's normal range is not
+        return False  # the kernel applies the scale as a float16 value: outside that range it would lose bits
     return hopper_device_ready((), "attention_fp8_fwd_hopper", device=q.device)
 
 

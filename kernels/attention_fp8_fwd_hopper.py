@@ -57,8 +57,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .attention_fwd import LOG2E
-from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _pass_turn, _start_q_load, _unmasked_blocks,
-                                   _wait_turn, ensure_scratch_allocator)
+from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _masked_scores, _pass_turn, _start_q_load,
+                                   _unmasked_blocks, _wait_turn, ensure_scratch_allocator)
 from .configs import cdiv, fp8_hopper_fwd_meta
 
 LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
@@ -71,11 +71,7 @@ def _fp8_softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, MASK:
     """One key block of the online softmax on the raw FP8 product s (64, BLOCK_N), c > 0 its scale: returns
     (P448 in fp32 in the A-operand layout of P V (``_p_as_operand``), new row max, new row sum, alpha)."""
     if MASK:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = cols[None, :] < seq_k
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
-        s = gl.where(visible, s, float("-inf"))
+        s = _masked_scores(s, rows, start_n, seq_k, causal_offset, CAUSAL, s_layout, BLOCK_N)
     # every row sees key 0 (causal needs seq_q <= seq_k), so m_new is finite from block 0 on
     m_new = gl.maximum(m_i, gl.max(s, 1) * c)
     p = gl.exp2(s * c - (m_new - LOG2_448)[:, None])  # one FFMA per score; P448 = 448 P
@@ -86,6 +82,7 @@ def _fp8_softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, MASK:
 
 @gluon.constexpr_function
 def _scores_dtype(f16_scores):
+    """The scores' accumulator dtype: float16 with F16_SCORES, else fp32."""
     return gl.float16 if f16_scores else gl.float32
 
 
@@ -135,11 +132,7 @@ def _fp8_softmax_step_f16(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, M
     The exponent's offset is rounded down in float16, so the max it stands for (kept as the row max) is >= the
     scores' and P448 <= 448."""
     if MASK:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = cols[None, :] < seq_k
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
-        s = gl.where(visible, s, float("-inf"))
+        s = _masked_scores(s, rows, start_n, seq_k, causal_offset, CAUSAL, s_layout, BLOCK_N)
     pairs = _f16_pairs(s, BLOCK_N)
     pair_rows: gl.constexpr = gl.SliceLayout(1, pairs.type.layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)

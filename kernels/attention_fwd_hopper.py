@@ -122,17 +122,25 @@ def _unmasked_blocks(start_m, seq_k, causal_offset, BLOCK_N: gl.constexpr, CAUSA
 
 
 @gluon.jit
+def _masked_scores(s, rows, start_n, seq_k, causal_offset, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+    """The scores s (64, BLOCK_N) of keys [start_n, start_n + BLOCK_N) for query rows ``rows``, -inf where a key
+    is past seq_k or (CAUSAL) after the row's diagonal: what the on-band softmax steps see."""
+    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    visible = cols[None, :] < seq_k
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
+    return gl.where(visible, s, float("-inf"))
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, rows, start_n, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
                   CAUSAL: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr,
                   BLOCK_N: gl.constexpr):
     """One key block of the online softmax on the scores s (64, BLOCK_N): returns (P as the A operand of the
     P V product, new row max, new row sum, the factor alpha that rescales the running output)."""
     if MASK:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = cols[None, :] < seq_k
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + causal_offset)
-        s = gl.where(visible, s, float("-inf"))
+        s = _masked_scores(s, rows, start_n, seq_k, causal_offset, CAUSAL, s_layout, BLOCK_N)
     # log2 domain: qk_scale = scale / ln(2) > 0, so max(s) * qk_scale = max(s * qk_scale), and each exponent
     # is one FFMA (s * qk_scale - m) instead of a multiply and a subtract
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
