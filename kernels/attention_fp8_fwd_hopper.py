@@ -36,8 +36,10 @@ come quantised with amax in (8, 16] (``configs.FP8_SCORES_AMAX``), so no score e
 holds a thread's columns 2t and 2t + 1 in one register, and the softmax works on those pairs
 (``_fp8_softmax_step_f16``): the row max and row sum fold pairs with one f16x2 instruction each, the exponent is
 one ``fma.rn.f16x2`` and ``ex2.approx.f16x2`` (two MUFU.EX2.F16), P448 goes to e4m3 from the pairs
-(``_pack_e4m3_pairs``). The scale c enters as a float16 value (``attention_fp8_fwd.f16_softmax_scale``); the
-exponent's offset is rounded down, so the row max kept (and the LSE) is >= the scores' and P448 <= 448. Read from
+(``_pack_e4m3_pairs``). The scale c enters as a float16 value (``attention_fp8_fwd.f16_softmax_scale``), held at
+>= 2^-24; a head where c could exceed F16_C_MAX (its largest K tile scale, KS_MAX) takes the fp32 scores: both
+forms are compiled, and each warpgroup picks one (``_fp8_attend_all``). The exponent's offset is rounded down, so
+the row max kept (and the LSE) is >= the scores' and P448 <= 448. Read from
 the sm_90 SASS at head_dim 128: 437 instructions a step against 464; 64 of them PRMT merging the two MUFU halves of
 each pair, twice (for the row sum and for the conversion). The scores' wgmma is waited for as it is issued:
 Triton 3.6 unpacks an asynchronous float16 accumulator into halves before its wait, and ptxas then serialises
@@ -62,6 +64,10 @@ from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _masked_
 from .configs import cdiv, fp8_hopper_fwd_meta
 
 LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
+# The largest score scale c (log2 domain, per Q and K tile) the float16 scores take: |Q8 K8^T| <= 32768, so the
+# row max m and every score * c lie within 32768 * c of zero and the exponent's argument score * c - m + log2(448)
+# within 65536 * c + 9, below float16's 65504 for c < 0.9994
+F16_C_MAX = gl.constexpr(0.99)
 BLOCK_M = 128  # query rows per CTA: one Q scale tile, two softmax warpgroups
 
 
@@ -127,8 +133,8 @@ def _fp8_softmax_step_f16(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, M
     """``_fp8_softmax_step`` on raw scores s (64, BLOCK_N) summed in float16 (F16_SCORES), on f16 pairs: returns
     (P448 as (64, BLOCK_N // 2) int32 pairs in the accumulator's column order, new row max, new row sum, alpha).
 
-    c is used as the float16 value nearest it (at most 65504): for c = q_scale * k_scale * qk_scale with
-    power-of-two tile scales that is qk_scale rounded to float16, which ``attention_fp8_fwd`` makes it already.
+    c (<= F16_C_MAX) is used as the float16 value nearest it, at least 2^-24: for c = q_scale * k_scale * qk_scale
+    with power-of-two tile scales that is qk_scale rounded to float16, which ``attention_fp8_fwd`` makes it already.
     The exponent's offset is rounded down in float16, so the max it stands for (kept as the row max) is >= the
     scores' and P448 <= 448."""
     if MASK:
@@ -136,7 +142,9 @@ def _fp8_softmax_step_f16(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, M
     pairs = _f16_pairs(s, BLOCK_N)
     pair_rows: gl.constexpr = gl.SliceLayout(1, pairs.type.layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    c16 = gl.minimum(c, 65504.0).to(gl.float16)  # 65504: float16's largest
+    # at least float16's smallest subnormal (2^-24): a masked score times 0 would be NaN; below it every |score * c|
+    # is under 2^-9 (|Q8 K8^T| <= 32768), so the change is below that
+    c16 = gl.maximum(c, 5.960464477539063e-08).to(gl.float16)
     # every row sees key 0 (causal needs seq_q <= seq_k), so m_new is finite from block 0 on
     m_new = gl.maximum(m_i, gl.convert_layout(_pairs_row_reduce(pairs, "max", BLOCK_N), row_s) * c16.to(gl.float32))
     offset = gl.inline_asm_elementwise("{ .reg .b16 t; cvt.rm.f16.f32 t, $1; mov.b32 $0, {t, t}; }", "=r,r",
@@ -259,31 +267,13 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_sme
 
 
 @gluon.jit
-def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE, lse_row0, stride_om, stride_od,
-                           seq_q, seq_k, cta_start_m, q_scale, kv_tile0, n_blocks, causal_offset, qk_scale,
-                           QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                           KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                           CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, F16_SCORES: gl.constexpr,
-                           WG: gl.constexpr):
-    """Softmax warpgroup WG: query rows [start_m, start_m + 64), start_m = cta_start_m + 64 * WG."""
-    start_m = cta_start_m + WG * WG_ROWS
-    # FP8 wgmma: instruction k of 32 (bytes per row of a 32-element e4m3 slice)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    q_smem, q_bar = _start_q_load(q_desc, start_m, QK_DIM)
-    n_free = _unmasked_blocks(start_m, seq_k, causal_offset, BLOCK_N, CAUSAL)
-    rows = start_m + gl.arange(0, WG_ROWS, layout=row_s)
-    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s)
-    _finish_q_load(q_bar)
-
+def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks,
+                    n_free, seq_k, causal_offset, qk_scale, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                    CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                    KV_TILE: gl.constexpr, F16_SCORES: gl.constexpr, s_layout: gl.constexpr,
+                    o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """All key blocks of one softmax warpgroup, the scores summed in float16 (F16_SCORES) or fp32: returns the
+    final (row max, row sum, acc, the last V tile's scale), acc in units of that scale."""
     # block 0: scores and softmax only; its P V product is issued with block 1's scores
     c = q_scale * gl.load(KS + kv_tile0) * qk_scale
     vs_prev = gl.load(VS + kv_tile0)
@@ -324,6 +314,53 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
     acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(last).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index(last), count=1)
+    return m_i, l_i, acc, vs_prev
+
+
+
+@gluon.jit
+def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE, lse_row0, stride_om, stride_od,
+                           seq_q, seq_k, cta_start_m, q_scale, ks_max, kv_tile0, n_blocks, causal_offset, qk_scale,
+                           QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                           KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, F16_SCORES: gl.constexpr,
+                           WG: gl.constexpr):
+    """Softmax warpgroup WG: query rows [start_m, start_m + 64), start_m = cta_start_m + 64 * WG."""
+    start_m = cta_start_m + WG * WG_ROWS
+    # FP8 wgmma: instruction k of 32 (bytes per row of a 32-element e4m3 slice)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_smem, q_bar = _start_q_load(q_desc, start_m, QK_DIM)
+    n_free = _unmasked_blocks(start_m, seq_k, causal_offset, BLOCK_N, CAUSAL)
+    rows = start_m + gl.arange(0, WG_ROWS, layout=row_s)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s)
+    _finish_q_load(q_bar)
+
+    if F16_SCORES:
+        # float16 scores only where no exponent can leave float16's range: c <= F16_C_MAX for every key tile of this
+        # head; else the fp32 scores (the same P448 and LSE arithmetic on the same quantised Q and K). With Q and
+        # K of N(0, 1) entries c is ~0.03 at head_dim 128's default scale, 0.51 with entries 4x larger, 2 at 8x
+        f16_ok = q_scale * ks_max * qk_scale <= F16_C_MAX
+    else:
+        f16_ok = False
+    if f16_ok:
+        m_i, l_i, acc, vs_prev = _fp8_attend_all(
+            q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks, n_free,
+            seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N, KV_TILE, True,
+            s_layout, o_layout, p_layout)
+    else:
+        m_i, l_i, acc, vs_prev = _fp8_attend_all(
+            q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks, n_free,
+            seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N, KV_TILE, False,
+            s_layout, o_layout, p_layout)
 
     # acc is in units of the last V tile's scale; the 448 of P448 cancels against l's
     out = acc * gl.convert_layout(vs_prev / l_i, row_o)[:, None]
@@ -339,7 +376,7 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
 # passed at every other length (benchmarks/NOTES.md, fifteenth and seventeenth sessions).
 @gluon.jit(do_not_specialize=["seq_q", "seq_k"])
 def attention_fp8_fwd_hopper_kernel(
-    Q8, QS, K8, KS, VT8, VS, O, LSE,
+    Q8, QS, K8, KS, KS_MAX, VT8, VS, O, LSE,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vtb, stride_vth, stride_vtn,
@@ -353,7 +390,8 @@ def attention_fp8_fwd_hopper_kernel(
 
     Q8: (B, H_q, seq_q, QK_DIM) e4m3, QS: (B, H_q, cdiv(seq_q, 128)) fp32; K8: (B, H_kv, seq_k, QK_DIM) e4m3;
     VT8: (B, H_kv, HEAD_DIM, cdiv(seq_k, 32) * 32) e4m3 (V transposed, keys in ``fp8_quant._in_mma_key_order``,
-    the padding keys zero); KS, VS: (B, H_kv, cdiv(seq_k, KV_TILE)) fp32. Unit
+    the padding keys zero); KS, VS: (B, H_kv, cdiv(seq_k, KV_TILE)) fp32; KS_MAX (B, H_kv) fp32, the largest of
+    each head's KS (read with F16_SCORES only). Unit
     stride on the last dims, other strides TMA-aligned. O: (B, H_q, seq_q, HEAD_DIM), LSE (B, H_q, seq_q)
     fp32 contiguous, log2 domain. qk_scale = softmax scale * log2(e) > 0.
     """
@@ -378,6 +416,9 @@ def attention_fp8_fwd_hopper_kernel(
                                          [HEAD_DIM, gl.cdiv(seq_k, 32) * 32], [stride_vtn, 1], [HEAD_DIM, BLOCK_N],
                                          vt_layout)
     q_scale = gl.load(QS + (off_b.to(gl.int64) * heads_q + off_h) * gl.num_programs(0) + pid_m)
+    ks_max = 0.0
+    if F16_SCORES:  # the largest K tile scale of this (batch, KV head): whether its scores fit float16
+        ks_max = gl.load(KS_MAX + off_b.to(gl.int64) * (heads_q // GROUP) + off_hk)
     kv_tile0 = (off_b.to(gl.int64) * (heads_q // GROUP) + off_hk) * gl.cdiv(seq_k, KV_TILE)
     o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
     lse_row0 = (off_b.to(gl.int64) * heads_q + off_h) * seq_q
@@ -397,11 +438,11 @@ def attention_fp8_fwd_hopper_kernel(
     # the warpgroup entries differ only in WG, their last argument (literal tuples: see attention_fwd_hopper)
     gl.warp_specialize([
         (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, KS, VS, o_base, LSE, lse_row0, stride_om,
-                                  stride_od, seq_q, seq_k, start_m, q_scale, kv_tile0, n_blocks, causal_offset,
+                                  stride_od, seq_q, seq_k, start_m, q_scale, ks_max, kv_tile0, n_blocks, causal_offset,
                                   qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
                                   F16_SCORES, 0)),
         (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, KS, VS, o_base, LSE, lse_row0, stride_om,
-                                  stride_od, seq_q, seq_k, start_m, q_scale, kv_tile0, n_blocks, causal_offset,
+                                  stride_od, seq_q, seq_k, start_m, q_scale, ks_max, kv_tile0, n_blocks, causal_offset,
                                   qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
                                   F16_SCORES, 1)),
         (_kv_loader, (k_desc, vt_desc, k_smem, vt_smem, ready, empty, n_blocks, BLOCK_N, STAGES, True)),
@@ -418,7 +459,10 @@ def attention_fp8_fwd_hopper(q8, q_scales, k8, k_scales, vt8, v_scales, out, lse
     head_dim, seq_k = vt8.shape[2], k8.shape[2]
     meta = {**fp8_hopper_fwd_meta(head_dim, causal), **overrides}
     ensure_scratch_allocator()
+    # float16 scores: each (batch, KV head)'s largest K tile scale, (B, H_kv) (the kernel falls back to fp32 scores
+    # where a score could leave float16's range)
+    k_scale_max = k_scales.amax(dim=2).contiguous() if meta["F16_SCORES"] else k_scales
     attention_fp8_fwd_hopper_kernel[(cdiv(seq_q, BLOCK_M), heads_q, batch)](
-        q8, q_scales, k8, k_scales, vt8, v_scales, out, lse, *q8.stride()[:3], *k8.stride()[:3], *vt8.stride()[:3],
+        q8, q_scales, k8, k_scales, k_scale_max, vt8, v_scales, out, lse, *q8.stride()[:3], *k8.stride()[:3], *vt8.stride()[:3],
         *out.stride(), seq_q, seq_k, scale * LOG2E, GROUP=heads_q // k8.shape[1], QK_DIM=qk_dim, HEAD_DIM=head_dim,
         KV_TILE=kv_tile, CAUSAL=causal, **meta, num_warps=4)

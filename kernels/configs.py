@@ -255,9 +255,10 @@ def hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
 # divides the K/V quantisation tile (FP8_FWD's BLOCK_N). Shared memory STAGES * 2 * BLOCK_N * D bytes of K and V^T
 # plus 128 * D of Q: 112 KB at D = 128, 160 KB at 256. Fixed, not swept: the sm_90 compile has no spills at these
 # register counts. Scores in float16 (F16_SCORES, head_dim 128 only: Q and K quantised to FP8_SCORES_AMAX, so
-# that |Q8 K8^T| <= 128 * 16 * 16 = 32768 fits float16): measured on the H200 (benchmarks/NOTES.md, twentieth
-# session; kernel alone, (4, 16, 4096, 128) / (1, 16, 16384, 128), TFLOP/s) 757-759 -> 783-803 at 4k, 620-626 ->
-# 657-661 causal, 825-829 -> 887-891 at 16k, 804-810 -> 846-857 causal. At 256 the bound would be 65536.
+# that |Q8 K8^T| <= 128 * 16 * 16 = 32768 fits float16; heads with larger Q and K take fp32 scores in the same
+# kernel): measured on the H200 (benchmarks/NOTES.md, twentieth session; the prototype without that fallback,
+# kernel alone, (4, 16, 4096, 128) / (1, 16, 16384, 128), TFLOP/s) 757-759 -> 783-803 at 4k, 620-626 -> 657-661
+# causal, 825-829 -> 887-891 at 16k, 804-810 -> 846-857 causal. At 256 the bound would be 65536.
 FP8_HOPPER_FWD_CONFIGS = {
     128: (128, 3, 232, 40, True, True, True),
     256: (128, 2, 240, 24, True, True, False),

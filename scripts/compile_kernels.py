@@ -148,8 +148,8 @@ def fp8_jobs(dtype="bf16", target_arch=90):
         from flashtrain.kernels.attention_fp8_fwd_hopper import attention_fp8_fwd_hopper_kernel
     for head_dim in (64, 128, 256):
         fwd = configs.fp8_config(1 << 20, head_dim)
-        fwd_ptr = {"Q8": fp8, "K8": fp8, "VT8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "O": f"*{dtype}",
-                   "LSE": "*fp32"}
+        fwd_ptr = {"Q8": fp8, "K8": fp8, "VT8": fp8, "QS": "*fp32", "KS": "*fp32", "KS_MAX": "*fp32", "VS": "*fp32",
+                   "O": f"*{dtype}", "LSE": "*fp32"}
         for causal in (False, True):
             yield (f"fp8 fwd D={head_dim} causal={causal}", attention_fp8_fwd_kernel, fwd_ptr,
                    dict(GROUP=1, QK_DIM=head_dim, HEAD_DIM=head_dim, BLOCK_DK=head_dim, BLOCK_DV=head_dim,

@@ -451,6 +451,25 @@ def test_fp8_hopper_forward_f16_scores_backward(causal, monkeypatch):
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("magnitude", [1e-4, 8.0, 1e3], ids=str)
+def test_fp8_hopper_forward_f16_scores_at_extreme_magnitudes(magnitude, causal, monkeypatch):
+    """Q and K scaled until the float16 scores' scale c underflows float16 (1e-4: held at 2^-24) or would let an
+    exponent overflow it (8 and 1e3: those heads take the fp32 scores): finite, and as close to float64 attention
+    as the Triton FP8 kernel (within 10%, +1e-3; both are far off at 1e3, where the softmax is one-hot and e4m3's
+    rounding of Q and K moves the argmax)."""
+    torch.manual_seed(11)
+    q, k, v = (randn(1, 4, 1000, 128, dtype=torch.bfloat16) for _ in range(3))
+    q, k = (q * magnitude).bfloat16(), (k * magnitude).bfloat16()
+    launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
+    (out, lse), (ref_out, ref_lse) = fp8_forward_both_ways(q, k, v, causal)
+    assert len(launches) == 1 and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    exact = attention_ref(q.double(), k.double(), v.double(), causal=causal)[0]
+    assert rel_error(out, exact) <= 1.1 * rel_error(ref_out, exact) + 1e-3, (rel_error(out, exact),
+                                                                             rel_error(ref_out, exact))
+
+
+@needs_hopper
 def test_fp8_hopper_forward_strided_views_and_modes(monkeypatch):
     """The trainer's layout (q, k, v strided views of one (B, N, 3, H, D) tensor), without rotation or K
     smoothing too, and a long causal sequence; against the Triton FP8 kernel as above."""
