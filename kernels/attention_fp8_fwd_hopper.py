@@ -40,7 +40,7 @@ one ``fma.rn.f16x2`` and ``ex2.approx.f16x2`` (two MUFU.EX2.F16), P448 goes to e
 >= 2^-24; a head where c could exceed F16_C_MAX (its largest K tile scale, KS_MAX) takes the fp32 scores: both
 forms are compiled, and each warpgroup picks one (``_fp8_attend_all``). The exponent's offset is rounded down, so
 the row max kept (and the LSE) is >= the scores' and P448 <= 448. Read from
-the sm_90 SASS at head_dim 128: 437 instructions a step against 464; 64 of them PRMT merging the two MUFU halves of
+the sm_90 SASS at head_dim 128: 440 instructions a step against 464; 64 of them PRMT merging the two MUFU halves of
 each pair, twice (for the row sum and for the conversion). The scores' wgmma is waited for as it is issued:
 Triton 3.6 unpacks an asynchronous float16 accumulator into halves before its wait, and ptxas then serialises
 every wgmma of the kernel (C7514; 558 against 760 TFLOP/s on the H200, benchmarks/NOTES.md).
