@@ -34,9 +34,10 @@ Numerics:
   attention: output 8.1% -> 4.5%, ``"full"``'s dQ 20% -> 6.6%, dK 9.3% -> 6.6%, dV 8.2% -> 4.7%, the LSE
   0.26 -> 0.04 (largest absolute error). Without a shared component the errors stay within 4% of the
   unsmoothed ones (``"full"``'s dV 4.7% -> 4.8%, the LSE 0.049 -> 0.042). The subtraction runs inside the
-  quantisation kernel (before its rotation), after one reduction for the mean; dK goes
-  back through the centring in the op's backward (``kernels.centring``: one pass; in ``fp8="full"`` its mean
-  from the dK kernel's per-program key sums; in ``fp8="forward"``'s, inside the inverse rotation's pass), and the returned LSE's correction through plain autograd.
+  quantisation kernel (before its rotation), after one reduction for the mean; dK goes back through the
+  centring in the op's backward (``kernels.centring``: one pass; in ``fp8="full"`` its mean from the dK kernel's
+  per-program key sums; in ``fp8="forward"``'s, inside the inverse rotation's pass), and the returned LSE's
+  correction through plain autograd.
 * Forward (``flashtrain.kernels.attention_fp8_fwd``): Q (rotated), K (rotated) and V are quantised per
   tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is quantised straight into its
   transposed layout (K-major, the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T

@@ -317,7 +317,6 @@ def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_
     return m_i, l_i, acc, vs_prev
 
 
-
 @gluon.jit
 def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE, lse_row0, stride_om, stride_od,
                            seq_q, seq_k, cta_start_m, q_scale, ks_max, kv_tile0, n_blocks, causal_offset, qk_scale,
@@ -463,6 +462,6 @@ def attention_fp8_fwd_hopper(q8, q_scales, k8, k_scales, vt8, v_scales, out, lse
     # where a score could leave float16's range)
     k_scale_max = k_scales.amax(dim=2).contiguous() if meta["F16_SCORES"] else k_scales
     attention_fp8_fwd_hopper_kernel[(cdiv(seq_q, BLOCK_M), heads_q, batch)](
-        q8, q_scales, k8, k_scales, k_scale_max, vt8, v_scales, out, lse, *q8.stride()[:3], *k8.stride()[:3], *vt8.stride()[:3],
-        *out.stride(), seq_q, seq_k, scale * LOG2E, GROUP=heads_q // k8.shape[1], QK_DIM=qk_dim, HEAD_DIM=head_dim,
-        KV_TILE=kv_tile, CAUSAL=causal, **meta, num_warps=4)
+        q8, q_scales, k8, k_scales, k_scale_max, vt8, v_scales, out, lse, *q8.stride()[:3], *k8.stride()[:3],
+        *vt8.stride()[:3], *out.stride(), seq_q, seq_k, scale * LOG2E, GROUP=heads_q // k8.shape[1], QK_DIM=qk_dim,
+        HEAD_DIM=head_dim, KV_TILE=kv_tile, CAUSAL=causal, **meta, num_warps=4)
