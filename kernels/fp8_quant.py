@@ -80,9 +80,10 @@ def _tile_scale(amax, POW2_SCALE: tl.constexpr, AMAX_TO: tl.constexpr = 448.0):
 
 
 @triton.jit
-def _quantize_with_scale(x, scale):
-    """fp32 x / scale in e4m3, clamped to e4m3's finite range."""
-    return _to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+def _quantize_with_pow2_scale(x, scale):
+    """fp32 x / scale in e4m3, clamped to e4m3's finite range, for a power-of-two scale: as x times 1 / scale, which
+    is exact and equals the quotient (one multiply an element instead of a division's ~3 instructions)."""
+    return _to_e4m3(tl.minimum(tl.maximum(x * (1.0 / scale), -448.0), 448.0))
 
 
 @triton.jit
@@ -101,7 +102,7 @@ def _in_mma_key_order(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
 @triton.jit
 def _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CENTRE: tl.constexpr):
-    """(rows, BLOCK_D) fp32: rows of X, centred if CENTRE with the rounding of ``flashtrain.fp8._centred``
+    """(rows, BLOCK_D) in X's dtype: rows of X, centred if CENTRE with the rounding of ``flashtrain.fp8._centred``
     (the difference in fp32, fp64 for fp64 X, rounded to X's dtype); rows >= seq and columns >= HEAD_DIM are
     zero."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -112,64 +113,72 @@ def _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd,
         acc_dtype = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
         mean = tl.load(MEAN + mean_base + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(acc_dtype)
         x = tl.where(row_ok, x.to(acc_dtype) - mean[None, :], 0.0).to(X.dtype.element_ty)
-    return x.to(tl.float32)
+    return x
 
 
 @triton.jit
-def _rotated_rows(x, signs, h, norm, norm_lo, R: tl.constexpr, BLOCK_D: tl.constexpr, METHOD: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """The rotated rows (x * signs) @ H_d' / sqrt(d') of x (R, BLOCK_D), fp32 holding values of OUT_DTYPE (the
-    input's dtype), rounded to OUT_DTYPE as ``hadamard`` writes them and returned as fp32. How the +-1 matrix is
-    applied (METHOD, ``rotate_method``):
-      "butterfly": ``hadamard``'s log2(d') add/subtract stages (fp32);
-      "matmul":    one matmul with h, the (BLOCK_D, BLOCK_D) matrix H_d' (``_rotation_operands``; 16 <= d' <= 128);
-      "halves":    H_d' = [[H, H], [H, -H]] with H = H_{d'/2} in h: each half of the row times h (two matmuls,
-                   the products exact in x's dtype), then their sum and difference in fp32 (d' = 256, where
-                   H_d' takes 128 KB in bf16 and H_{d'/2} 32 KB).
-    The products are exact (values times +-1) and the sums fp32 (fp64 for fp64 x), so every method gives the
-    butterfly's bits wherever fp32 holds the sums exactly (16-bit inputs: nearly always)."""
-    xs = x * signs[None, :]
+def _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, R: tl.constexpr, BLOCK_D: tl.constexpr, METHOD: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """The rotated rows (x * signs) @ H_d' / sqrt(d') of x (R, BLOCK_D) in the input's dtype, fp32 holding values of
+    that dtype (rounded to it as ``hadamard`` writes them). How the +-1 matrix is applied (METHOD,
+    ``rotate_method``):
+      "butterfly": ``hadamard``'s log2(d') add/subtract stages on x * signs (fp32);
+      "matmul":    one matmul with h_lo = diag(signs) H_d' (``_rotation_operands``; 16 <= d' <= 128);
+      "halves":    H_d' = [[H, H], [H, -H]] with H = H_{d'/2}: the row's halves x1, x2 times h_lo = diag(signs_1) H
+                   and h_hi = diag(signs_2) H (two matmuls, the products exact in x's dtype), then their sum and
+                   difference in fp32 (d' = 256, where H_d' takes 128 KB in bf16 and H_{d'/2} 32 KB).
+    The signs live in the matrices, so x enters the tensor core as loaded (no conversions an element). The products
+    are exact (values times +-1) and the sums fp32 (fp64 for fp64 x), so every method gives the butterfly's bits
+    wherever fp32 holds the sums exactly (16-bit inputs: nearly always)."""
+    OUT_DTYPE: tl.constexpr = x.dtype
     acc_dtype: tl.constexpr = tl.float64 if OUT_DTYPE == tl.float64 else tl.float32
     if METHOD == "butterfly":
-        y = _fwht(xs, R, BLOCK_D)
+        y = _fwht(x.to(tl.float32) * signs[None, :], R, BLOCK_D)
     elif METHOD == "halves":
-        # [x1, x2] H_d' = [(x1 + x2) H, (x1 - x2) H] = [x1 H + x2 H, x1 H - x2 H]: the sums after the matmuls,
-        # whose inputs then stay exact in x's dtype
-        x1, x2 = tl.split(tl.permute(tl.reshape(xs.to(OUT_DTYPE), (R, 2, BLOCK_D // 2)), (0, 2, 1)))
-        y1 = tl.dot(x1, h, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
-        y2 = tl.dot(x2, h, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
+        # [x1, x2] H_d' = [x1 H + x2 H, x1 H - x2 H] (signs in the H's): the sums after the matmuls, whose inputs
+        # then stay exact in x's dtype
+        x1, x2 = tl.split(tl.permute(tl.reshape(x, (R, 2, BLOCK_D // 2)), (0, 2, 1)))
+        y1 = tl.dot(x1, h_lo, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
+        y2 = tl.dot(x2, h_hi, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
         y = tl.reshape(tl.permute(tl.join(y1 + y2, y1 - y2), (0, 2, 1)), (R, BLOCK_D))
     else:
-        y = tl.dot(xs.to(OUT_DTYPE), h, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
+        y = tl.dot(x, h_lo, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
     return _scale(y, norm, norm_lo).to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
 def _rotation_operands(SIGNS, H, ROTATE: tl.constexpr, METHOD: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(signs (BLOCK_D,) fp32, h: the +-1 matrix, (BLOCK_D, BLOCK_D) for METHOD "matmul", (BLOCK_D / 2, BLOCK_D / 2)
-    for "halves") of the rotation, loaded once per program; placeholders where unused."""
+    """(signs (BLOCK_D,) fp32, h_lo, h_hi) of the rotation, loaded once per program: for METHOD "matmul" h_lo =
+    diag(signs) H_d' (BLOCK_D, BLOCK_D); for "halves" h_lo, h_hi = diag(first, second half of signs) H_{d'/2}
+    (BLOCK_D / 2 square each); in H's dtype (the input's), +-1 and so exact. Placeholders where unused."""
     signs = 0.0
-    h = 0.0
+    h_lo = 0.0
+    h_hi = 0.0
     if ROTATE:
         offs = tl.arange(0, BLOCK_D)
         signs = tl.load(SIGNS + offs).to(tl.float32)
         if METHOD == "matmul":
             h = tl.load(H + offs[:, None] * BLOCK_D + offs[None, :])
+            h_lo = (h * signs[:, None]).to(h.dtype)
         elif METHOD == "halves":
             half = tl.arange(0, BLOCK_D // 2)
             h = tl.load(H + half[:, None] * (BLOCK_D // 2) + half[None, :])
-    return signs, h
+            signs_lo = tl.load(SIGNS + half).to(tl.float32)
+            signs_hi = tl.load(SIGNS + BLOCK_D // 2 + half).to(tl.float32)
+            h_lo = (h * signs_lo[:, None]).to(h.dtype)
+            h_hi = (h * signs_hi[:, None]).to(h.dtype)
+    return signs, h_lo, h_hi
 
 
 @triton.jit
-def _quant_rows(X, MEAN, signs, h, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+def _quant_rows(X, MEAN, signs, h_lo, h_hi, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, CENTRE: tl.constexpr,
                 ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """(CHUNK, BLOCK_D) fp32: what gets quantised of rows ``rows`` (``_prepared_rows``, then rotated if ROTATE)."""
     x = _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D, CENTRE)
     if ROTATE:
-        x = _rotated_rows(x, signs, h, norm, norm_lo, CHUNK, BLOCK_D, METHOD, DOT_PRECISION, X.dtype.element_ty)
-    return x
+        return _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, CHUNK, BLOCK_D, METHOD, DOT_PRECISION)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -195,7 +204,7 @@ def _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, str
 
 
 @triton.jit
-def _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn, stride_xd,
+def _quantize_tile(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn, stride_xd,
                    stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                    CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -205,26 +214,26 @@ def _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_t
     OUT_DIM: tl.constexpr = BLOCK_D if ROTATE else HEAD_DIM
     if CHUNK == BLOCK_N:  # the whole tile in registers: one read
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+        x = _quant_rows(X, MEAN, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                         norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
         amax = tl.max(tl.max(tl.abs(x), 1), 0)
         scale = _tile_scale(amax, True, AMAX_TO)
-        q = _quantize_with_scale(x, scale)
+        q = _quantize_with_pow2_scale(x, scale)
         _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
                       BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
     else:
         amax = 0.0
         for c in tl.static_range(0, BLOCK_N, CHUNK):
             rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+            x = _quant_rows(X, MEAN, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                             norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
         scale = _tile_scale(amax, True, AMAX_TO)
         for c in tl.static_range(0, BLOCK_N, CHUNK):
             rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _quant_rows(X, MEAN, signs, h, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+            x = _quant_rows(X, MEAN, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                             norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
-            q = _quantize_with_scale(x, scale)
+            q = _quantize_with_pow2_scale(x, scale)
             _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
                           BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
     if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
@@ -267,19 +276,19 @@ def fp8_quantize_kernel(
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
     t_base = QT + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
     n_tiles = tl.cdiv(seq, BLOCK_N)
-    signs, h = _rotation_operands(SIGNS, H, ROTATE, METHOD, BLOCK_D)
+    signs, h_lo, h_hi = _rotation_operands(SIGNS, H, ROTATE, METHOD, BLOCK_D)
     if TILES == 1:
-        _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tl.program_id(0), n_tiles, stride_xn,
-                       stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
+        _quantize_tile(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tl.program_id(0), n_tiles,
+                       stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                        HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION, ZERO_SCALE_IF_EMPTY,
                        MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
     else:  # a loop, so that the compiler's pipelining loads the next tile while this one is rotated
         first = tl.program_id(0) * TILES
         for tile in tl.range(first, tl.minimum(first + TILES, n_tiles)):
-            _quantize_tile(X, MEAN, signs, h, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn, stride_xd,
-                           stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo, HEAD_DIM,
-                           BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION, ZERO_SCALE_IF_EMPTY,
-                           MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
+            _quantize_tile(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn,
+                           stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION,
+                           ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
 
 
 # Elements (fp32) of one chunk of rows the quantisation kernel holds in registers at a time, at 4 warps.
@@ -290,21 +299,28 @@ QUANT_CHUNK_ELEMENTS = 16384
 # Measured on the H200 (benchmarks/NOTES.md, twelfth session; bf16 (4, 16, 4096, 128)): Q fused by matmul in whole
 # 128-row tiles 0.065 ms, the Hadamard kernel then the quantisation 0.077 ms, a copy 0.037 ms.
 ROTATE_CHUNK_ELEMENTS = 16384
-# Tiles per program when rotating whole tiles, and the pipeline's stages (without, with centring): the +-1 matrix
-# and the signs are loaded once, and the compiler pipelines the next tile's load under this one's matmul.
-# Measured on the H200 (benchmarks/NOTES.md, sixteenth session; bf16 (4, 16, 4096, 128), each alone, us): one
-# tile a program Q 63.8, K centred 75.6; four tiles with 2 stages 52.5 / 64.4, with 3 stages 51.6 / 97.3 (the
-# centred kernel's 3 stages take 132 KB of shared memory: one program per SM).
+# Tiles per program when rotating whole tiles by a matmul, and the pipeline's stages: the +-1 matrix and the signs
+# are loaded once, and the compiler pipelines the next tile's load under this one's matmul. Measured on the H200
+# (benchmarks/NOTES.md, sixteenth session; bf16 (4, 16, 4096, 128), each alone, us): one tile a program Q 63.8, K
+# centred 75.6; four tiles with 2 stages 52.5 / 64.4, with 3 stages 51.6 / 97.3 (the centred kernel's 3 stages take
+# 132 KB of shared memory: one program per SM). Since the twenty-first session x enters the matmul as loaded (the
+# signs are in the matrix), and 3 stages take 136 KB for Q too: GPU time (CUDA graphs, the same shape) Q 49.5 us at
+# 3 stages, 41.7 at 2 (46.3 before the change, at 3); K centred 57.4 (60.0 before); Q in both layouts (the FP8
+# backward's) 57.3 at 2 (73.0 before). Eight tiles a program took 2-6% less again at this shape, where 2,048 tiles
+# make one wave of 256 programs, two per SM; not taken: a quarter of the programs of four tiles at small inputs.
 ROTATE_TILES_PER_PROGRAM = 4
-ROTATE_STAGES = {False: 3, True: 2}
-# The rotation by halves (width 256): rows a chunk, tiles a program, warps and stages. Read from the sm_90 compile
-# (ptxas -v): at 4 warps every chunk size spills (140-2500 bytes); at 8 warps chunks of 64 rows and whole
-# (128-row) tiles take 253-255 registers and no spills. Measured on the H200 (benchmarks/NOTES.md, eighteenth
-# session; bf16 (4, 8, 4096, 256), us, the second of two rounds), against the Hadamard kernel then the
-# quantisation (the earlier form at this width): Q 83.6 / 76.2 with whole tiles, 4 a program, 2 stages (68.9 at 3
-# stages, 82-83 in the first round; 92 in chunks of 64); K centred 92.2 / 85.3. The FP8 forward's GPU time:
-# 846-851 -> 833-835 us, causal 618-620 -> 603.
-HALVES_LAUNCH = dict(CHUNK=128, TILES=4, num_warps=8, num_stages=2)
+ROTATE_STAGES = 2
+# The rotation by halves (width 256): rows a chunk, tiles a program, warps, and stages (without, with centring).
+# Read from the sm_90 compile (ptxas -v): at 4 warps every chunk size spills (140-2500 bytes); at 8 warps chunks
+# of 64 rows and whole (128-row) tiles take 253-255 registers and no spills (191 for Q since the twenty-first
+# session). Measured on the H200 (benchmarks/NOTES.md, eighteenth session; bf16 (4, 8, 4096, 256), us, the second
+# of two rounds), against the Hadamard kernel then the quantisation (the earlier form at this width): Q 83.6 /
+# 76.2 with whole tiles, 4 a program, 2 stages (68.9 at 3 stages, 82-83 in the first round; 92 in chunks of 64); K
+# centred 92.2 / 85.3. The FP8 forward's GPU time: 846-851 -> 833-835 us, causal 618-620 -> 603. Twenty-first
+# session (GPU time, CUDA graphs): Q 71.5 -> 70.0 at 2 stages, 61.8 at 3; K centred 80.3 -> 65.0 (3 stages take
+# 258 KB there, over the 227 KB an SM has).
+HALVES_LAUNCH = dict(CHUNK=128, TILES=4, num_warps=8)
+HALVES_STAGES = {False: 3, True: 2}
 
 
 def rotate_method(dim: int) -> str:
@@ -324,20 +340,24 @@ def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
     return max(1, min(block_n, QUANT_CHUNK_ELEMENTS // block_d))
 
 
-def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool) -> dict:
+def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element_size: int = 2) -> dict:
     """The quantisation kernel's METHOD, CHUNK and TILES and its num_warps and num_stages for tiles of (block_n,
-    block_d): what ``fp8_quantize`` launches and scripts/compile_kernels.py compiles. Several tiles a program only
-    where whole tiles are rotated by a matmul; 4 warps and num_stages 3 (Triton's defaults) elsewhere."""
+    block_d) of ``element_size``-byte inputs: what ``fp8_quantize`` launches and scripts/compile_kernels.py compiles.
+    Several tiles a program only where whole tiles are rotated by a matmul; 4 warps and num_stages 3 (Triton's
+    defaults) elsewhere. 32/64-bit inputs are rotated at width 256 by the butterfly: the halves' matrices and
+    pipelined tiles would take 384 KB and more of shared memory there (sm_90 compile), over the 227 KB of an SM."""
     method = rotate_method(block_d) if rotate else "butterfly"
+    if method == "halves" and element_size > 2:
+        method = "butterfly"
     if method == "halves":
         chunk = min(block_n, HALVES_LAUNCH["CHUNK"])
         tiles = HALVES_LAUNCH["TILES"] if chunk == block_n else 1
         return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=HALVES_LAUNCH["num_warps"],
-                    num_stages=HALVES_LAUNCH["num_stages"])
+                    num_stages=HALVES_STAGES[centre])
     chunk = quant_chunk(block_n, block_d, rotate)
     tiles = ROTATE_TILES_PER_PROGRAM if rotate and method == "matmul" and chunk == block_n else 1
     return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=4,
-                num_stages=ROTATE_STAGES[centre] if tiles > 1 else 3)
+                num_stages=ROTATE_STAGES if tiles > 1 else 3)
 
 
 @configs.on_input_device
@@ -412,7 +432,7 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     if q.numel():
         rotate = signs is not None
         block_d = out_dim if rotate else configs.block_d(head_dim)
-        launch = quant_launch(block_n, block_d, rotate, mean is not None)
+        launch = quant_launch(block_n, block_d, rotate, mean is not None, x.element_size())
         fp8_quantize_kernel[(configs.cdiv(configs.cdiv(seq, block_n), launch["TILES"]), heads, batch)](
             x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
             rotation_matrix(launch["METHOD"], block_d, x), q, q_t, scales,

@@ -12,6 +12,10 @@ Prints markdown tables; with --readme, replaces the text between the README's
 is FP8 against flashtrain's bf16 path instead (between ``<!-- fp8-benchmark:start -->`` and ``...:end -->``):
 
     python scripts/report_attention.py benchmarks/results/attention_fp8_h200_2026-11-29.csv --fp8 --readme README.md
+
+``--gpu-time CSV`` (with --fp8) adds each forward's GPU time, bf16 / FP8, from a CSV with the columns provider,
+D, N, B, H, causal, fwd_gpu_us (the sum of a call's kernels): where the FP8 op's host time exceeds it, do_bench
+times the host, and this column shows what the GPU did.
 """
 
 from __future__ import annotations
@@ -106,12 +110,16 @@ def flex_note(df):
     return f"Flex (compiled once per shape) was timed at N = {seqs}, head_dim up to 128."
 
 
-def fp8_table(df):
+def fp8_table(df, gpu_time=None):
     """FP8 against flashtrain's bf16 path, same run: forward (fp8="forward"/"full" share it) and the backward
-    of "full"; ratios to bf16 in parentheses."""
+    of "full"; ratios to bf16 in parentheses. ``gpu_time``: a DataFrame of forward GPU times (``--gpu-time``), for
+    a column "fwd GPU time, bf16 / FP8 (us)"."""
     speed = df[df["mode"].isin(["fwd", "bwd"]) & (df["status"] == "ok")]
-    lines = ["| D | N | B x H (H_kv) | causal | bf16 fwd | FP8 fwd | bf16 bwd | FP8 bwd (\"full\") |",
-             "|---|---|---|---|---|---|---|---|"]
+    header = "| D | N | B x H (H_kv) | causal | bf16 fwd | FP8 fwd | bf16 bwd | FP8 bwd (\"full\") |"
+    rule = "|---|---|---|---|---|---|---|---|"
+    if gpu_time is not None:
+        header, rule = header + " fwd GPU time, bf16 / FP8 (us) |", rule + "---|"
+    lines = [header, rule]
     keys = speed[["D", "N", "B", "H", "H_kv", "causal"]].drop_duplicates()
     for _, key in keys.sort_values(["H_kv", "D", "N", "causal"], ascending=[False, True, True, True]).iterrows():
         sel = speed[(speed[["D", "N", "B", "H", "H_kv", "causal"]] == key.values).all(axis=1)]
@@ -125,9 +133,23 @@ def fp8_table(df):
         if None in (fwd16, bwd16, fwd8, bwd8):
             continue
         heads = f"{key.H}" if key.H == key.H_kv else f"{key.H} ({key.H_kv})"
-        lines.append(f"| {key.D} | {key.N} | {key.B} x {heads} | {'yes' if key.causal else 'no'} | {fwd16:.0f} | "
-                     f"{fwd8:.0f} ({fwd8 / fwd16:.2f}x) | {bwd16:.0f} | {bwd8:.0f} ({bwd8 / bwd16:.2f}x) |")
+        line = (f"| {key.D} | {key.N} | {key.B} x {heads} | {'yes' if key.causal else 'no'} | {fwd16:.0f} | "
+                f"{fwd8:.0f} ({fwd8 / fwd16:.2f}x) | {bwd16:.0f} | {bwd8:.0f} ({bwd8 / bwd16:.2f}x) |")
+        if gpu_time is not None:
+            line += f" {_gpu_times(gpu_time, key)} |"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _gpu_times(gpu_time, key) -> str:
+    """'bf16 / FP8' forward GPU times (us) of one table row's shape, or '-' where the CSV lacks one."""
+    same = ((gpu_time["D"] == key.D) & (gpu_time["N"] == key.N) & (gpu_time["B"] == key.B)
+            & (gpu_time["H"] == key.H) & (gpu_time["causal"] == key.causal))
+    times = [gpu_time[same & (gpu_time["provider"] == provider)]["fwd_gpu_us"]
+             for provider in ("flashtrain", "flashtrain_fp8_fwd")]
+    if any(t.empty for t in times):
+        return "-"
+    return f"{times[0].iloc[0]:.0f} / {times[1].iloc[0]:.0f}"
 
 
 def plot(df, path):
@@ -179,13 +201,25 @@ def main(argv=None):
     parser.add_argument("--plot", help="write a PNG here")
     parser.add_argument("--readme", help="refresh this README's benchmark section")
     parser.add_argument("--fp8", action="store_true", help="the FP8 table (flashtrain_fp8* against flashtrain)")
+    parser.add_argument("--gpu-time", help="with --fp8: a CSV of forward GPU times (provider, D, N, B, H, causal, "
+                                           "fwd_gpu_us) for an extra column")
     args = parser.parse_args(argv)
+    if args.gpu_time and not args.fp8:
+        parser.error("--gpu-time goes with --fp8")
     df = load(args.csv)
     first = df.iloc[0]
     source = (f"{first.gpu}, torch {first.torch}, triton {first.triton}; raw rows: {provenance(df)}. TFLOP/s "
               "(forward FLOPs 4*B*H*N*N*D, half when causal; backward 2.5x), medians of `triton.testing.do_bench`.")
     if args.fp8:
-        text = source + " FP8 with the Hadamard rotation and K smoothing (the defaults).\n\n" + fp8_table(df)
+        gpu_time = None
+        if args.gpu_time:
+            gpu_time = pd.read_csv(args.gpu_time)
+            gpu_time["causal"] = gpu_time["causal"].astype(str) == "True"
+            source += (f" Forward GPU time: the sum of one call's kernels (torch.profiler), from "
+                       f"[`{args.gpu_time}`]({args.gpu_time}); where the FP8 op's host time exceeds it, do_bench times"
+                       " the host.")
+        text = (source + " FP8 with the Hadamard rotation and K smoothing (the defaults).\n\n"
+                + fp8_table(df, gpu_time))
         print(text)
         if args.readme:
             replace_section(args.readme, FP8_START, FP8_END, text)

@@ -161,7 +161,10 @@ def test_inverse_transform_centres_in_fp32(shape, head_dim, dtype, device):
 @pytest.mark.parametrize("centre", [False, True], ids=["plain", "centred"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("shape, block_n", [((1, 2, 37, 40), 16), ((2, 1, 129, 24), 64), ((1, 1, 70, 128), 64),
-                                            ((1, 1, 33, 256), 16)], ids=str)
+                                            ((1, 1, 33, 256), 16),
+                                            # the launches of whole 128-row tiles (fp32 at width 256: the butterfly)
+                                            pytest.param((1, 1, 300, 128), 128, marks=pytest.mark.gpu),
+                                            pytest.param((1, 1, 300, 256), 128, marks=pytest.mark.gpu)], ids=str)
 def test_rotation_fused_into_quantise(shape, block_n, dtype, centre, transposed, method, chunk_elements, device,
                                       monkeypatch):
     """fp8_quantize(x, signs=...) against the Hadamard kernel followed by fp8_quantize, for each way of applying
