@@ -18,7 +18,7 @@ Numerics:
   they are quantised. Where Q and K are rotated and quantised (the forward, ``fp8="full"``'s backward) the
   rotation runs inside the quantisation kernel, as matmuls with the +-1 matrix diag(signs) H (exact products,
   fp32 sums; at d' = 256 two with H_128, H_256 = [[H_128, H_128], [H_128, -H_128]], each with its half of the
-  signs; 32/64-bit inputs there by the butterfly); that gives the bits of the fast
+  signs; 32-bit inputs there, and 64-bit ones at every width, by the butterfly); that gives the bits of the fast
   Walsh-Hadamard transform kernel (``flashtrain.kernels.hadamard``, O(d log d)) wherever fp32 holds the sums
   exactly (16-bit inputs: nearly always). The inverse (dQ and dK back, the gradient) is the transform kernel's
   butterfly: its own pass in ``fp8="forward"``'s backward, inside the FP8 kernels in ``fp8="full"``'s.

@@ -344,10 +344,11 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
     """The quantisation kernel's METHOD, CHUNK and TILES and its num_warps and num_stages for tiles of (block_n,
     block_d) of ``element_size``-byte inputs: what ``fp8_quantize`` launches and scripts/compile_kernels.py compiles.
     Several tiles a program only where whole tiles are rotated by a matmul; 4 warps and num_stages 3 (Triton's
-    defaults) elsewhere. 32/64-bit inputs are rotated at width 256 by the butterfly: the halves' matrices and
-    pipelined tiles would take 384 KB and more of shared memory there (sm_90 compile), over the 227 KB of an SM."""
+    defaults) elsewhere. The butterfly rotates 32-bit inputs at width 256 and 64-bit ones at every width: there the
+    matrices and pipelined tiles would take 270-526 KB of shared memory (sm_90 compile, 128-row tiles), over the
+    227 KB of an SM (fp32 at width 128: 197 KB, centred)."""
     method = rotate_method(block_d) if rotate else "butterfly"
-    if method == "halves" and element_size > 2:
+    if method != "butterfly" and (element_size > 4 or (element_size > 2 and method == "halves")):
         method = "butterfly"
     if method == "halves":
         chunk = min(block_n, HALVES_LAUNCH["CHUNK"])

@@ -193,6 +193,24 @@ def test_rotation_fused_into_quantise(shape, block_n, dtype, centre, transposed,
         assert not differ.any()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_rotated_quantise_of_wide_dtypes_in_whole_tiles(head_dim, dtype, device):
+    """32/64-bit inputs rotated in 128-row tiles launch (the butterfly where the matmuls' shared memory would not
+    fit an SM) and match the Hadamard kernel followed by the quantisation: scales equal, e4m3 values within one
+    step where the rotation's sums round differently."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(1, 2, 300, head_dim, generator=gen) * 2).to(device, dtype)
+    mean = _seq_mean(x)
+    signs = random_signs(head_dim, seed=3, device=device)
+    q, scales = fp8_quantize(x, 128, mean=mean, signs=signs)
+    ref_q, ref_scales = fp8_quantize(hadamard(x, signs, mean=mean), 128)
+    assert torch.equal(scales, ref_scales)
+    a, b = q.float(), ref_q.float()
+    assert (a != b).float().mean() <= 1e-3 and ((a - b).abs() <= a.abs().maximum(b.abs()) / 8).all()
+
+
 @pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("shape, block_n", [((1, 2, 37, 40), 32), ((2, 1, 129, 24), 64), ((1, 1, 1, 16), 32),
                                             ((1, 1, 64, 8), 32)], ids=str)
