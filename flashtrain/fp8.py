@@ -11,6 +11,8 @@ Numerics:
   all-zero tile gets scale 1 and quantises to zeros (no NaN). Dequantisation is q * scale.
 * Rounding: round to nearest, ties to even, bit-identical to torch's own conversion: the GPU's cast does it,
   and in Triton's interpreter ``flashtrain.kernels.fp8_quant`` rounds onto the e4m3 grid before the cast.
+* Non-finite inputs: a tile's amax leaves NaNs out; a NaN is quantised to e4m3's NaN, and an infinite value (its
+  tile's scale then infinite) to NaN as well, so they reach the output where the 16-bit path's NaNs are.
 * Incoherent processing: Q and K are multiplied by the same orthogonal matrix M = diag(signs) H / sqrt(d')
   (Sylvester Hadamard H, random +-1 signs, head_dim zero-padded to d' = next power of two). Q M (K M)^T
   = Q K^T in exact arithmetic; in FP8 it spreads outlier channels over all channels, so per-tile scales are

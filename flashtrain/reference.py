@@ -55,13 +55,14 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
 def fp8_quantize_ref(x: torch.Tensor, block_n: int, amax_to: float = 448.0):
     """Per-tile e4m3 quantisation (see flashtrain.kernels.fp8_quant): returns (q, scales) like the kernel, each
-    tile's largest magnitude scaled into (amax_to / 2, amax_to]."""
+    tile's largest magnitude scaled into (amax_to / 2, amax_to]. A tile's amax leaves NaNs out, as the kernel's
+    does; a NaN stays NaN and an infinite value, whose tile's scale is then infinite, becomes NaN."""
     batch, heads, seq, head_dim = x.shape
     tiles = -(-seq // block_n)
     padded = torch.zeros(batch, heads, tiles * block_n, head_dim, dtype=torch.float32, device=x.device)
     padded[:, :, :seq] = x.float()
     padded = padded.view(batch, heads, tiles, block_n, head_dim)
-    amax = padded.abs().amax(dim=(-1, -2))  # (B, H, tiles)
+    amax = torch.where(padded.isnan(), 0.0, padded.abs()).amax(dim=(-1, -2))  # (B, H, tiles)
     scales = torch.where(amax > 0, pow2_at_least(amax / amax_to), torch.ones_like(amax))
     q = (padded / scales[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(batch, heads, tiles * block_n, head_dim)[:, :, :seq], scales

@@ -57,9 +57,12 @@ SOFTWARE_ROUNDING = tl.constexpr(configs.INTERPRET)
 
 @triton.jit
 def _to_e4m3(x):
-    """fp32 x with |x| <= 448 -> float8e4nv, rounded to nearest even (on the GPU and in the interpreter)."""
+    """fp32 x with |x| <= 448 (or NaN) -> float8e4nv, rounded to nearest even, NaN kept NaN (on the GPU and in the
+    interpreter, whose own conversion turns NaN into 384 or -384)."""
     if SOFTWARE_ROUNDING:
-        x = _round_to_e4m3_grid(x)
+        q = _round_to_e4m3_grid(x).to(tl.float8e4nv)
+        e4m3_nan = tl.full(x.shape, 0x7F, tl.int8).to(tl.float8e4nv, bitcast=True)  # 0x7F: e4m3fn's NaN
+        return tl.where(x != x, e4m3_nan, q)
     return x.to(tl.float8e4nv)
 
 
@@ -82,8 +85,10 @@ def _tile_scale(amax, POW2_SCALE: tl.constexpr, AMAX_TO: tl.constexpr = 448.0):
 @triton.jit
 def _quantize_with_pow2_scale(x, scale):
     """fp32 x / scale in e4m3, clamped to e4m3's finite range, for a power-of-two scale: as x times 1 / scale, which
-    is exact and equals the quotient (one multiply an element instead of a division's ~3 instructions)."""
-    return _to_e4m3(tl.minimum(tl.maximum(x * (1.0 / scale), -448.0), 448.0))
+    is exact and equals the quotient (one multiply an element instead of a division's ~3 instructions). A NaN stays
+    NaN (and an infinite x, whose tile's scale is infinite, becomes NaN), so non-finite inputs reach the output as
+    in the 16-bit path; a clamp that drops NaNs turned them into finite values."""
+    return _to_e4m3(tl.clamp(x * (1.0 / scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL))
 
 
 @triton.jit

@@ -219,6 +219,22 @@ def test_full_backward_with_empty_and_scaled_tiles(causal, device):
     assert torch.equal(grads[0][:, :, :32], torch.zeros_like(grads[0][:, :, :32]))  # dO = 0 there: dS = 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["forward", "full"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("head_dim, hopper", [(64, "never"), (128, "never"), (128, "always"), (256, "always")],
+                         ids=str)
+def test_nan_inputs_give_the_16_bit_paths_nan_outputs(head_dim, hopper, where, mode):
+    """A NaN in Q, K or V makes the FP8 forward's outputs NaN where the 16-bit path's are (one query's row, every
+    row, one column), through the Triton and the Hopper FP8 kernels; it used to be quantised to a finite e4m3."""
+    q, k, v = make((1, 2, 2, 256, 256, head_dim), "cuda", torch.bfloat16)
+    {"q": q, "k": k, "v": v}[where][0, 0, 3, 5] = float("nan")
+    with configs.hopper_forward(hopper):
+        out = flash_attention(q, k, v, fp8=mode)
+    expected = flash_attention(q, k, v).isnan()
+    assert expected.any() and torch.equal(out.isnan(), expected)
+
+
 def test_zero_inputs_and_rows_that_see_no_key(device):
     """All-zero tiles quantise with scale 1 (no 0/0); causal rows with no key give zeros, not NaN."""
     q, k, v = make((1, 2, 2, 40, 9, 16), device)

@@ -193,6 +193,23 @@ def test_rotation_fused_into_quantise(shape, block_n, dtype, centre, transposed,
         assert not differ.any()
 
 
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+def test_quantize_keeps_non_finite_values_non_finite(rotate, device):
+    """A NaN stays NaN (its tile's other values keep the scale of its finite ones) and an infinite value becomes NaN
+    (its tile's scale is infinite, the rest 0), as ``fp8_quantize_ref`` says: a clamp that dropped NaNs used to
+    quantise them to finite values, and the FP8 op then returned finite outputs where the 16-bit path returns NaN.
+    Rotated, the NaN or infinity spreads over its row first (the Hadamard transform's sums)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 2, 40, 32, generator=gen).to(device, torch.float16)
+    x[0, 0, 3, 5], x[0, 1, 20, 1] = float("nan"), float("inf")
+    signs = random_signs(32, seed=3, device=device) if rotate else None
+    q, scales = fp8_quantize(x, 16, signs=signs)
+    ref_q, ref_scales = fp8_quantize_ref(x if signs is None else hadamard(x, signs), 16)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(q.float().isnan(), ref_q.float().isnan()) and q.float().isnan().any()
+    assert torch.equal(q.float().nan_to_num(), ref_q.float().nan_to_num())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("head_dim", [128, 256])
