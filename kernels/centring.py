@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .hadamard import check_mean
 
 
 @triton.jit
@@ -41,9 +42,7 @@ def centre(x: torch.Tensor, mean: torch.Tensor, dtype: torch.dtype | None = None
     """x (B, H, N, D) minus mean (B, H, D) float32 on every row, as a contiguous tensor of ``dtype`` (default x's),
     rounded once from fp32 (fp64 for float64 x)."""
     batch, heads, seq, head_dim = x.shape
-    if mean.dtype != torch.float32 or tuple(mean.shape) != (batch, heads, head_dim):
-        raise ValueError(f"centre: mean must be float32 of shape {(batch, heads, head_dim)} for x of shape "
-                         f"{tuple(x.shape)}; got {mean.dtype} {tuple(mean.shape)}")
+    check_mean("centre", mean, (batch, heads, head_dim))
     out = torch.empty(x.shape, device=x.device, dtype=dtype or x.dtype)
     if out.numel():
         if x.stride(-1) != 1:
