@@ -1,5 +1,6 @@
-"""CPU checks of the Hopper backward's host side (its Gluon kernel runs on sm_90 GPUs only: see the gpu tests
-in test_attention_gpu.py): the dQ buffer's fragment order and when ``attention_bwd`` dispatches to it."""
+"""Checks of the Hopper backward's host side and helper kernels, on the CPU through the interpreter and on any GPU
+(its Gluon kernel runs on sm_90 GPUs only: see the gpu tests in test_attention_gpu.py): the dQ buffer's fragment
+order and when ``attention_bwd`` dispatches to it."""
 
 import pytest
 import torch
@@ -31,14 +32,14 @@ def wgmma_fragments_to_buffer(dq: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("seq", [1, 64, 129], ids=str)
 @pytest.mark.usefixtures("poison_allocations")
-def test_dq_from_fragments(seq):
+def test_dq_from_fragments(seq, device):
     from flashtrain.kernels.attention_bwd_hopper import dq_from_fragments
 
     torch.manual_seed(seq)
     dq_ref = torch.randn(2, 3, seq, 64)
-    dq = torch.empty(2, seq, 3, 64, dtype=torch.float16).transpose(1, 2)  # strided, like the GPT's q
-    dq_from_fragments(wgmma_fragments_to_buffer(dq_ref), dq, 0.3)
-    assert torch.equal(dq, (dq_ref * 0.3).half())
+    dq = torch.empty(2, seq, 3, 64, dtype=torch.float16, device=device).transpose(1, 2)  # strided, like the GPT's q
+    dq_from_fragments(wgmma_fragments_to_buffer(dq_ref).to(device), dq, 0.3)
+    assert torch.equal(dq.cpu(), (dq_ref * 0.3).half())
 
 
 def test_hopper_backward_rules_on_the_host():
@@ -50,15 +51,15 @@ def test_hopper_backward_rules_on_the_host():
 
 
 @pytest.mark.parametrize("seq", [1, 129], ids=str)
-def test_delta_kernel_zeroes_the_dq_buffer(seq):
+def test_delta_kernel_zeroes_the_dq_buffer(seq, device):
     """With the Hopper backward's dQ buffer, the delta kernel zeroes all of it (padding rows too) and gives the
     same delta as without."""
     from flashtrain.kernels.attention_bwd import backward_delta
     from flashtrain.kernels.attention_bwd_hopper import dq_buffer
 
     torch.manual_seed(seq)
-    out, do = (torch.randn(2, seq, 3, 64, dtype=torch.float16).transpose(1, 2) for _ in range(2))
-    lse = torch.zeros(2, 3, seq)
+    out, do = (torch.randn(2, seq, 3, 64, dtype=torch.float16).to(device).transpose(1, 2) for _ in range(2))
+    lse = torch.zeros(2, 3, seq, device=device)
     buffer = dq_buffer(out).fill_(float("nan"))
     assert buffer.shape == (2, 3, -(-seq // 64) * 64, 64)
     delta = backward_delta(out, do, None, lse, buffer)
