@@ -1,7 +1,9 @@
 """Test setup: the kernels run compiled on a CUDA machine and through Triton's interpreter elsewhere.
 
 TRITON_INTERPRET must be set before triton is first imported, so this runs before any test module
-imports flashtrain. `device` is the device the kernel tests run on: cuda when there is one, else cpu.
+imports flashtrain. `device` is the device the kernel tests run on: cuda when there is one, else cpu. Tests that
+run the kernels on CPU tensors whatever the machine (modules and trainer runs against PyTorch on the CPU) carry the
+`interpreter` marker and are skipped where the interpreter is off, as on a GPU machine.
 """
 
 import os
@@ -22,11 +24,18 @@ import pytest  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 
 
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_interpreter = pytest.mark.skip(reason="runs the kernels on CPU tensors, which needs Triton's interpreter "
+                                               "(TRITON_INTERPRET=1: set by this conftest where there is no GPU)")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
-            item.add_marker(skip)
+            item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and not INTERPRET:
+            item.add_marker(skip_interpreter)
 
 
 @pytest.fixture

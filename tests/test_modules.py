@@ -58,6 +58,7 @@ def test_state_dict_loads_both_ways():
     ref.load_state_dict(flash.state_dict())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)], ids=["fp64", "fp32"])
 def test_self_attention(batch_first, dtype, tol):
@@ -67,6 +68,7 @@ def test_self_attention(batch_first, dtype, tol):
     compare(ref, flash, q, q, q, tol=tol)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_causal(batch_first):
     ref, flash = pair(batch_first=batch_first)
@@ -75,18 +77,21 @@ def test_causal(batch_first):
     compare(ref, flash, q, q, q, attn_mask=mask, is_causal=True)
 
 
+@pytest.mark.interpreter
 def test_cross_attention_kdim_vdim_bias_kv_zero_attn_no_bias():
     ref, flash = pair(kdim=16, vdim=24, add_bias_kv=True, add_zero_attn=True, bias=False, batch_first=True)
     q, k, v = inputs((2, 13, E), (2, 29, E), kdim=16, vdim=24)
     compare(ref, flash, q, k, v)
 
 
+@pytest.mark.interpreter
 def test_unbatched():
     ref, flash = pair()
     q, k, v = inputs((11, E), (17, E))
     compare(ref, flash, q, k, v)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mask_type", ["bool", "float-inf", "float-bias"])
 @pytest.mark.parametrize("extra", [{}, {"add_bias_kv": True}, {"add_zero_attn": True}], ids=["plain", "bias_kv", "zero_attn"])
 @pytest.mark.parametrize("batch_first", [False, True])
@@ -104,12 +109,14 @@ def test_key_padding_mask(batch_first, extra, mask_type):
     compare(ref, flash, q, k, v, key_padding_mask=padding)
 
 
+@pytest.mark.interpreter
 def test_key_padding_mask_unbatched():
     ref, flash = pair()
     q, k, v = inputs((7, E), (10, E))
     compare(ref, flash, q, k, v, key_padding_mask=torch.arange(10) >= 6)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_causal_with_key_padding(batch_first):
     ref, flash = pair(batch_first=batch_first)
@@ -121,6 +128,7 @@ def test_causal_with_key_padding(batch_first):
     compare(ref, flash, q, q, q, attn_mask=mask, is_causal=True, key_padding_mask=padding)
 
 
+@pytest.mark.interpreter
 def test_sequence_with_all_keys_padded():
     """Zero attention output for that sequence, as nn.MultiheadAttention's SDPA path (training mode) gives."""
     ref, flash = pair(batch_first=True)
@@ -163,6 +171,7 @@ def test_need_weights_warns_once(monkeypatch):
         flash(q, q, q)
 
 
+@pytest.mark.interpreter
 def test_dropout_matches_pytorch_under_the_same_mask(monkeypatch):
     """Training-mode dropout runs in the kernels; with nn.MultiheadAttention made to drop exactly the
     kernels' mask (its weights path calls F.dropout), outputs and all gradients agree."""
@@ -211,6 +220,7 @@ def test_dropout_distribution_and_reproducibility():
         assert not torch.equal(first, flash(q, q, q, need_weights=False)[0])
 
 
+@pytest.mark.interpreter
 def test_eval_mode_has_no_dropout():
     ref, flash = pair(dropout=0.5)
     ref.eval(), flash.eval()
@@ -218,6 +228,7 @@ def test_eval_mode_has_no_dropout():
     compare(ref, flash, q, q, q)
 
 
+@pytest.mark.interpreter
 def test_swap_attention_on_transformer_encoder():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=64, dropout=0.0, batch_first=True, dtype=torch.float64)

@@ -81,6 +81,7 @@ def test_experiment_composes(tmp_path):
     assert cfg.data.seq_len == 16384 and cfg.model.n_layer == 12 and cfg.attn.name == "flash"
 
 
+@pytest.mark.interpreter
 def test_all_attention_backends_give_the_same_initial_loss():
     losses = {}
     batch = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
@@ -93,6 +94,7 @@ def test_all_attention_backends_give_the_same_initial_loss():
     assert losses["flash_fp8"] == pytest.approx(losses["eager"], rel=1e-2)  # FP8 rounding, same model
 
 
+@pytest.mark.interpreter
 def test_flash_fp8_options(tmp_path):
     train(config("attn=flash_fp8", "attn.fp8=full", "attn.smooth_k=false", *SMALL, "trainer.max_steps=2",
                  "logger=csv", f"output_dir={tmp_path}"))
@@ -102,7 +104,8 @@ def test_flash_fp8_options(tmp_path):
         build(config("attn=flash", "+attn.fp8=forward", *SMALL, f"output_dir={tmp_path}"))
 
 
-@pytest.mark.parametrize("attn", ["flash", "sdpa", "eager", "flash_fp8"])
+@pytest.mark.parametrize("attn", [pytest.param("flash", marks=pytest.mark.interpreter), "sdpa", "eager",
+                                  pytest.param("flash_fp8", marks=pytest.mark.interpreter)])
 def test_a_few_training_steps(attn, tmp_path):
     train(config(f"attn={attn}", *SMALL, "trainer.max_steps=3", "logger=csv", f"output_dir={tmp_path}"))
     rows = read_metrics(tmp_path)
@@ -113,6 +116,7 @@ def test_a_few_training_steps(attn, tmp_path):
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.interpreter
 def test_resume_continues_the_same_losses(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     common = [*SMALL, "logger=csv", "trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=3"]
@@ -126,6 +130,7 @@ def test_resume_continues_the_same_losses(tmp_path):
         assert after[step] == pytest.approx(before[step], rel=1e-6), step
 
 
+@pytest.mark.interpreter
 def test_wandb_offline_run(tmp_path, monkeypatch):
     """Metrics reach an offline wandb run. wandb 0.31 keeps an offline run's history only in its binary
     run-*.wandb log (protobuf records, uncompressed), so the metric names are looked for in its bytes."""
@@ -227,6 +232,7 @@ def test_activation_checkpointing_and_accumulation_keep_the_losses(tmp_path):
                         for r in perf)
 
 
+@pytest.mark.interpreter
 def test_compiled_model_trains(tmp_path):
     torch._dynamo.reset()
     train(config(*SMALL, "attn=flash", "compile=true", "logger=csv", "trainer.max_steps=2",

@@ -42,6 +42,7 @@ def logits_and_grads(model, ids, mask):
 # "eager" as the issue asks, in float32: transformers' eager path computes its softmax in float32 whatever the
 # model dtype (and in float64 its left-padding mask turns padded rows into NaN). "sdpa" in float64 (PyTorch's
 # math backend) is the tight check.
+@pytest.mark.interpreter
 @pytest.mark.parametrize("reference, dtype, tol", [("eager", torch.float32, 2e-5), ("sdpa", torch.float64, 1e-10)],
                          ids=["eager-fp32", "sdpa-fp64"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -66,6 +67,7 @@ def test_matches_reference(name, padded, reference, dtype, tol, monkeypatch):
         torch.testing.assert_close(g, r, rtol=10 * tol, atol=tol)
 
 
+@pytest.mark.interpreter
 def test_varlen_matches_per_sequence_calls_and_passes_dropout():
     """flash_attn_varlen_func (packed sequences): each sequence attends only to itself; dropout reaches
     the kernels (same torch seed, same result)."""
