@@ -22,8 +22,6 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="flasht
 import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
-
-
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
