@@ -31,6 +31,8 @@ from .attention_fwd import _scale, split_scale
 from .hadamard import _fwht, check_mean, hadamard_matrix, padded_dim
 
 E4M3_MAX = 448.0
+# What fp8_quantize's amax_to may be: e4m3's largest, or a power of two from 1 to 256
+AMAX_TO_CHOICES = frozenset([E4M3_MAX, *(2.0 ** e for e in range(9))])
 
 
 @triton.jit
@@ -392,7 +394,7 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     Hopper forward sums Q8 K8^T in float16 with Q and K at 16: ``configs.FP8_SCORES_AMAX``); e4m3's subnormals
     then start at amax / (64 * amax_to) instead of amax / 28672.
     """
-    if amax_to != E4M3_MAX and not (amax_to in [2.0 ** e for e in range(9)]):
+    if amax_to not in AMAX_TO_CHOICES:
         raise ValueError(f"fp8_quantize: amax_to={amax_to!r}; expected 448.0 or a power of two from 1 to 256")
     if with_transposed and (transposed or mma_key_order):
         raise ValueError(f"fp8_quantize: with_transposed=True returns the row-major q and a transposed copy; "

@@ -37,7 +37,7 @@ from flashtrain.kernels.attention_bwd import (attention_bwd_dkdv_kernel, attenti
                                               attention_bwd_preprocess_kernel)
 from flashtrain.kernels.attention_fp8_bwd import (attention_fp8_bwd_dkdv_kernel,  # noqa: E402
                                                   attention_fp8_bwd_dq_kernel)
-from flashtrain.kernels.attention_fp8_fwd import attention_fp8_fwd_kernel  # noqa: E402
+from flashtrain.kernels.attention_fp8_fwd import attention_fp8_fwd_kernel, fp8_scores_in_f16  # noqa: E402
 from flashtrain.kernels.attention_fwd import attention_fwd_kernel  # noqa: E402
 from flashtrain.kernels.centring import centre_kernel  # noqa: E402
 from flashtrain.kernels.dropout_mask import dropout_keep_mask_kernel  # noqa: E402
@@ -177,32 +177,28 @@ def fp8_jobs(dtype="bf16", target_arch=90):
                            launch["num_warps"], launch["num_stages"])
         quant_ptr = {"X": f"*{dtype}", "MEAN": "*fp32", "SIGNS": "*fp32", "H": f"*{dtype}", "Q": fp8, "QT": fp8,
                      "S": "*fp32"}
+
+        def quantize_job(name, rotate, centre, zero=False, second=False, mma_key_order=False,
+                         amax_to=fp8_quant.E4M3_MAX):
+            launch = fp8_quant.quant_launch(128, head_dim, rotate, centre)
+            warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
+            return (f"fp8 quantize D={head_dim}{name}", fp8_quantize_kernel, quant_ptr,
+                    dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=centre, ROTATE=rotate,
+                         DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=zero, MMA_KEY_ORDER=mma_key_order,
+                         SECOND_COPY=second, AMAX_TO=amax_to, **launch), warps, stages)
+
         # V, dO / K with smoothing / Q / K rotated and smoothed, each also with empty tiles' scale 0 (as the
         # backward's Q and dO) and with the transposed second copy (the backward's Q, K, dO); unrotated (128, 256)
         # tiles in chunks
         for rotate, centre, zero, second in itertools.product((False, True), repeat=4):
-            launch = fp8_quant.quant_launch(128, head_dim, rotate, centre)
-            warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
-            yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''}{' rotated' if rotate else ''}"
-                   f"{' zero-scale' if zero else ''}{' both layouts' if second else ''}", fp8_quantize_kernel,
-                   quant_ptr, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=centre, ROTATE=rotate,
-                                   DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=zero, MMA_KEY_ORDER=False,
-                                   SECOND_COPY=second, AMAX_TO=fp8_quant.E4M3_MAX, **launch), warps, stages)
-        if head_dim in configs.FP8_HOPPER_FWD_CONFIGS and configs.fp8_hopper_fwd_meta(head_dim, False)["F16_SCORES"]:
+            yield quantize_job(f"{' centred' if centre else ''}{' rotated' if rotate else ''}"
+                               f"{' zero-scale' if zero else ''}{' both layouts' if second else ''}",
+                               rotate, centre, zero, second)
+        if fp8_scores_in_f16(head_dim):
             for centre in (False, True):  # Q and K for the FP8 Hopper forward's float16 scores
-                launch = fp8_quant.quant_launch(128, head_dim, True, centre)
-                warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
-                yield (f"fp8 quantize D={head_dim}{' centred' if centre else ''} rotated to {configs.FP8_SCORES_AMAX}",
-                       fp8_quantize_kernel, quant_ptr,
-                       dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=centre, ROTATE=True,
-                            DOT_PRECISION="tf32", ZERO_SCALE_IF_EMPTY=False, MMA_KEY_ORDER=False, SECOND_COPY=False,
-                            AMAX_TO=configs.FP8_SCORES_AMAX, **launch), warps, stages)
-        launch = fp8_quant.quant_launch(128, head_dim, False, False)
-        warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
-        yield (f"fp8 quantize D={head_dim} mma key order", fp8_quantize_kernel, quant_ptr,  # V for the Hopper forward
-               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=False, ROTATE=False, DOT_PRECISION="tf32",
-                    ZERO_SCALE_IF_EMPTY=False, MMA_KEY_ORDER=True, SECOND_COPY=False, AMAX_TO=fp8_quant.E4M3_MAX,
-                    **launch), warps, stages)
+                yield quantize_job(f"{' centred' if centre else ''} rotated to {configs.FP8_SCORES_AMAX}", True,
+                                   centre, amax_to=configs.FP8_SCORES_AMAX)
+        yield quantize_job(" mma key order", False, False, mma_key_order=True)  # V for the Hopper forward
         yield (f"fp8 dequantize D={head_dim}", fp8_dequantize_kernel,  # fp8="forward"'s backward: Q and K
                {"Q": fp8, "S": "*fp32", "OUT": f"*{dtype}"},
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,
