@@ -34,6 +34,7 @@ from . import configs
 from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _query_block_key_range, _scale, _visible,
                             dropout_args, hopper_device_ready, hopper_inputs_qualify, hopper_module, key_bias_arg,
                             precision_for, split_scale)
+from .launch import launch_kernel
 
 
 @triton.jit
@@ -327,7 +328,8 @@ def backward_delta(out: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | Non
     batch, heads_q, seq_q, head_dim = out.shape
     delta = torch.empty_like(lse)
     block_m = 16 if configs.INTERPRET and dq_acc is None else PREPROCESS_BLOCK_M
-    attention_bwd_preprocess_kernel[(configs.cdiv(seq_q, block_m), heads_q, batch)](
+    launch_kernel(
+        attention_bwd_preprocess_kernel, (configs.cdiv(seq_q, block_m), heads_q, batch),
         out, do, dlse.contiguous() if dlse is not None else delta, delta, dq_acc if dq_acc is not None else delta,
         *out.stride(), *do.stride(), seq_q, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_M=block_m,
         HAS_DLSE=dlse is not None, ZERO_DQ_ACC=dq_acc is not None)

@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .attention_fwd import LOG2E
 from .attention_fwd_hopper import _named_barrier, ensure_scratch_allocator
 from .configs import cdiv, hopper_bwd_meta
+from .launch import launch_kernel
 
 WG_KEYS = gl.constexpr(64)  # keys per warpgroup: one m64 wgmma
 BLOCK_M = gl.constexpr(64)  # query rows per step (Q / dO tile); also the dQ buffer's block
@@ -302,7 +303,8 @@ def dq_from_fragments(dq_acc: torch.Tensor, dq: torch.Tensor, scale: float) -> N
     """Write ``scale`` times the fragment-ordered fp32 buffer ``dq_acc`` (B, H, cdiv(N, 64) * 64, D) into ``dq``
     (B, H, N, D, any strides, its own dtype)."""
     batch, heads, seq_q, head_dim = dq.shape
-    attention_bwd_hopper_dq_kernel[(cdiv(seq_q, BLOCK_M.value), heads, batch)](
+    launch_kernel(
+        attention_bwd_hopper_dq_kernel, (cdiv(seq_q, BLOCK_M.value), heads, batch),
         dq_acc, dq, *dq.stride(), seq_q, scale, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M.value, num_warps=4)
 
 
@@ -327,7 +329,8 @@ def attention_bwd_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     ensure_scratch_allocator()
-    attention_bwd_hopper_kernel[(cdiv(seq_k, 2 * WG_KEYS.value), heads, batch)](
+    launch_kernel(
+        attention_bwd_hopper_kernel, (cdiv(seq_k, 2 * WG_KEYS.value), heads, batch),
         q, k, v, do, lse, delta, dq_acc, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *do.stride()[:3], *dk.stride(), *dv.stride(), seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, CAUSAL=causal, **hopper_bwd_meta(head_dim), num_warps=4)

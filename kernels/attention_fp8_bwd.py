@@ -47,6 +47,7 @@ from .attention_bwd import _dkdv_query_range, backward_delta
 from .attention_fwd import LOG2E, _load_rows, _query_block_key_range, split_scale
 from .fp8_quant import SOFTWARE_ROUNDING, _tile_scale, _to_e4m3, fp8_quantize
 from .hadamard import _inverse_rotation
+from .launch import launch_kernel
 
 
 @triton.jit
@@ -374,13 +375,15 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
                   SCALE_M=scale_m, SCALE_N=scale_n, ROTATED=signs is not None)
     signs = lse if signs is None else signs  # a placeholder pointer when not ROTATED
     scalars = (seq_q, seq_k, scale * LOG2E, scale, *split_scale(1.0 / math.sqrt(qk_dim)))
-    attention_fp8_bwd_dkdv_kernel[dkdv_grid](
+    launch_kernel(
+        attention_fp8_bwd_dkdv_kernel, dkdv_grid,
         q8, q8_t, q_scales, k8, k_scales, v8, v_scales, do8, do8_t, do_scales, dv_unit, lse, delta, signs, dk,
         dk if dk_sums is None else dk_sums, dv, q8_t.stride(1), q8_t.stride(2), do8_t.stride(1), do8_t.stride(2),
         *scalars, EVEN=seq_q % dkdv["BLOCK_M"] == 0 and seq_k % dkdv["BLOCK_N"] == 0, KEY_SUMS=key_sums, **common,
         **dkdv)
     dq_cfg = tiles["dq"]
-    attention_fp8_bwd_dq_kernel[(configs.cdiv(seq_q, dq_cfg["BLOCK_M"]), heads_q, batch)](
+    launch_kernel(
+        attention_fp8_bwd_dq_kernel, (configs.cdiv(seq_q, dq_cfg["BLOCK_M"]), heads_q, batch),
         q8, q_scales, k8, k8_t, k_scales, v8, v_scales, do8, do_scales, lse, delta, signs, dq,
         k8_t.stride(1), k8_t.stride(2), *scalars,
         EVEN=seq_q % dq_cfg["BLOCK_M"] == 0 and seq_k % dq_cfg["BLOCK_N"] == 0, **common, **dq_cfg)

@@ -26,6 +26,7 @@ from . import configs
 from .attention_fwd import (LOG2E, _load_rows, _query_block_key_range, _visible, allocate_outputs, hopper_device_ready,
                             hopper_mode_allows, hopper_module)
 from .fp8_quant import E4M3_MAX, _to_e4m3, fp8_quantize, quantize_scores_operands
+from .launch import launch_kernel
 
 LOG2_448 = tl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
 
@@ -186,7 +187,8 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
         return out, lse, quantized
     vt8, v_scales = fp8_quantize(v, block_n, transposed=True)  # (B, H_kv, D, N_k): keys contiguous (K-major)
     grid = (configs.cdiv(seq_q, block_m), heads_q, batch)
-    attention_fp8_fwd_kernel[grid](
+    launch_kernel(
+        attention_fp8_fwd_kernel, grid,
         q8, q_scales, k8, k_scales, vt8, v_scales, out, lse,
         q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
         vt8.stride(0), vt8.stride(1), vt8.stride(2), *out.stride(),

@@ -62,6 +62,7 @@ from .attention_fwd import LOG2E
 from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _masked_scores, _pass_turn, _start_q_load,
                                    _unmasked_blocks, _wait_turn, ensure_scratch_allocator)
 from .configs import cdiv, fp8_hopper_fwd_meta
+from .launch import launch_kernel
 
 LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
 # The largest score scale c (log2 domain, per Q and K tile) the float16 scores take: |Q8 K8^T| <= 32768, so the
@@ -461,7 +462,8 @@ def attention_fp8_fwd_hopper(q8, q_scales, k8, k_scales, vt8, v_scales, out, lse
     # float16 scores: each (batch, KV head)'s largest K tile scale, (B, H_kv) (the kernel falls back to fp32 scores
     # where a score could leave float16's range)
     k_scale_max = k_scales.amax(dim=2).contiguous() if meta["F16_SCORES"] else k_scales
-    attention_fp8_fwd_hopper_kernel[(cdiv(seq_q, BLOCK_M), heads_q, batch)](
+    launch_kernel(
+        attention_fp8_fwd_hopper_kernel, (cdiv(seq_q, BLOCK_M), heads_q, batch),
         q8, q_scales, k8, k_scales, k_scale_max, vt8, v_scales, out, lse, *q8.stride()[:3], *k8.stride()[:3],
         *vt8.stride()[:3], *out.stride(), seq_q, seq_k, scale * LOG2E, GROUP=heads_q // k8.shape[1], QK_DIM=qk_dim,
         HEAD_DIM=head_dim, KV_TILE=kv_tile, CAUSAL=causal, **meta, num_warps=4)

@@ -37,6 +37,7 @@ from triton.runtime._allocation import NullAllocator, _allocator
 
 from .attention_fwd import LOG2E
 from .configs import cdiv, hopper_fwd_meta
+from .launch import launch_kernel
 
 WG_ROWS = gl.constexpr(64)  # query rows per softmax warpgroup: one m64 wgmma
 FIRST_TURN_BARRIER = gl.constexpr(10)  # named barriers 10.. for the ping-pong; Gluon's partitions use the low ids
@@ -341,7 +342,8 @@ def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     meta = hopper_fwd_meta(head_dim, causal)
     ensure_scratch_allocator()
     grid = (cdiv(seq_q, WG_ROWS.value * meta["CONSUMERS"]), heads_q, batch)
-    attention_fwd_hopper_kernel[grid](
+    launch_kernel(
+        attention_fwd_hopper_kernel, grid,
         q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride(),
         seq_q, k.shape[2], scale * LOG2E,
         GROUP=heads_q // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal, **meta, num_warps=4)

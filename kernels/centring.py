@@ -15,6 +15,7 @@ import triton.language as tl
 
 from . import configs
 from .hadamard import check_mean
+from .launch import launch_kernel
 
 
 @triton.jit
@@ -49,6 +50,7 @@ def centre(x: torch.Tensor, mean: torch.Tensor, dtype: torch.dtype | None = None
             x = x.contiguous()
         block_d = configs.next_power_of_2(head_dim)
         rows = configs.row_pass_rows(seq, block_d)
-        centre_kernel[(configs.cdiv(seq, rows), heads, batch)](
+        launch_kernel(
+            centre_kernel, (configs.cdiv(seq, rows), heads, batch),
             x, mean.contiguous(), out, *x.stride()[:3], seq, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=rows)
     return out

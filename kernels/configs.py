@@ -17,14 +17,11 @@ from __future__ import annotations
 import contextlib
 import csv
 import functools
-import os
 
 import torch
 import triton
 
-# Read once, when the kernels are defined: ``triton.jit`` makes interpreted kernels only if
-# TRITON_INTERPRET=1 was set before triton was imported, so a later change would not take effect.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .launch import INTERPRET, launch_kernel
 
 
 # Host-side integer helpers for the launch paths. triton.cdiv and triton.next_power_of_2 are constexpr
@@ -435,4 +432,4 @@ def launch(name: str, tuned, kernel, grid_fn, args, dtype: torch.dtype, seq_len:
             tuned[grid_fn](*args, **meta)
             _picks[key] = tuned.best_config.all_kwargs()
             return
-    kernel[grid_fn(cfg)](*args, **meta, **cfg)
+    launch_kernel(kernel, grid_fn(cfg), *args, **meta, **cfg)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from . import configs
 from .attention_fwd import _dropout_keep
+from .launch import launch_kernel
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -34,5 +35,5 @@ def dropout_keep_mask(seed: int, batch: int, heads_q: int, seq_q: int, seq_k: in
     block = 32
     grid = (configs.cdiv(seq_q, block), configs.cdiv(seq_k, block), batch * heads_q)
     with configs.launch_device(keep):
-        dropout_keep_mask_kernel[grid](keep, seq_q, seq_k, seed, dropout_p, BLOCK_M=block, BLOCK_N=block)
+        launch_kernel(dropout_keep_mask_kernel, grid, keep, seq_q, seq_k, seed, dropout_p, BLOCK_M=block, BLOCK_N=block)
     return keep.bool()

@@ -29,6 +29,7 @@ import triton.language as tl
 from . import configs
 from .attention_fwd import _scale, split_scale
 from .hadamard import _fwht, check_mean, hadamard_matrix, padded_dim
+from .launch import launch_kernel
 
 E4M3_MAX = 448.0
 # What fp8_quantize's amax_to may be: e4m3's largest, or a power of two from 1 to 256
@@ -441,7 +442,9 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         rotate = signs is not None
         block_d = out_dim if rotate else configs.block_d(head_dim)
         launch = quant_launch(block_n, block_d, rotate, mean is not None, x.element_size())
-        fp8_quantize_kernel[(configs.cdiv(configs.cdiv(seq, block_n), launch["TILES"]), heads, batch)](
+        grid = (configs.cdiv(configs.cdiv(seq, block_n), launch["TILES"]), heads, batch)
+        launch_kernel(
+            fp8_quantize_kernel, grid,
             x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
             rotation_matrix(launch["METHOD"], block_d, x), q, q_t, scales,
             *x.stride(), *q.stride(), *q_t.stride(), seq, store_rows, *split_scale(1.0 / math.sqrt(block_d)),
@@ -508,7 +511,8 @@ def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, block_n: int, dtype: t
     if out.numel():
         block_d = configs.block_d(head_dim)
         rows = configs.row_pass_rows(seq, block_d)
-        fp8_dequantize_kernel[(configs.cdiv(seq, rows), heads, batch)](
+        launch_kernel(
+            fp8_dequantize_kernel, (configs.cdiv(seq, rows), heads, batch),
             q, scales.float().contiguous(), out, *q.stride(), seq, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_N=block_n, ROWS=rows)
     return out

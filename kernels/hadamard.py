@@ -21,6 +21,7 @@ import triton.language as tl
 
 from . import configs
 from .attention_fwd import _scale, split_scale
+from .launch import launch_kernel
 
 
 @triton.jit
@@ -144,7 +145,8 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_di
     rows = x.reshape(-1, d_in).contiguous()
     y = torch.empty((rows.shape[0], d_out), device=x.device, dtype=out_dtype or x.dtype)
     if rows.shape[0]:
-        hadamard_kernel[(configs.cdiv(rows.shape[0], HADAMARD_BLOCK_R),)](
+        launch_kernel(
+            hadamard_kernel, (configs.cdiv(rows.shape[0], HADAMARD_BLOCK_R),),
             rows, signs.to(device=x.device).contiguous(), y, rows if mean is None else mean.contiguous(),
             rows.shape[0], d_in, d_out, x.shape[2] if mean is not None else 1, *split_scale(1.0 / math.sqrt(d)),
             D=d, BLOCK_R=HADAMARD_BLOCK_R, SIGNS_FIRST=not inverse, CENTRE=mean is not None)
