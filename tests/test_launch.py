@@ -1,5 +1,9 @@
 """flashtrain.kernels.launch: launches without Triton's per-call binding after a key's first launch."""
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -18,8 +22,8 @@ def _specialisation(arg):
     return native_specialize_impl(BaseBackend, arg, False, True, True)
 
 
-def test_arg_key_is_at_least_as_fine_as_tritons_specialisation():
-    """Two launch arguments with one ``arg_key`` get one specialisation from Triton (so a compiled kernel looked up
+def test_arg_keys_are_at_least_as_fine_as_tritons_specialisation():
+    """Two launch arguments with one ``arg_keys`` entry get one specialisation from Triton (so a compiled kernel looked up
     by the key is the one Triton would have compiled): integers around 1, 16 and the 32/64-bit limits, floats,
     bools, None, tensors of several dtypes at aligned and unaligned addresses."""
     base = torch.zeros(64, dtype=torch.float16)
@@ -28,13 +32,14 @@ def test_arg_key_is_at_least_as_fine_as_tritons_specialisation():
     tensors = [base, base[1:], base[8:], base[9:], base.float(), base.float()[1:], base.float()[4:],
                base.to(torch.float8_e4m3fn), base.to(torch.float8_e4m3fn)[3:], base.to(torch.bfloat16)]
     samples = [*ints, 0.0, 1.0, 1.5, -2.0, True, False, None, *tensors]
-    for a in samples:
-        for b in samples:
-            if launch.arg_key(a) == launch.arg_key(b):
+    keys = launch.arg_keys(samples)
+    for a, key_a in zip(samples, keys):
+        for b, key_b in zip(samples, keys):
+            if key_a == key_b:
                 assert _specialisation(a) == _specialisation(b), (a, b)
     # the key tells apart what the specialisation does (ints by class, not by value)
-    assert launch.arg_key(4096) == launch.arg_key(8192) and launch.arg_key(4096) != launch.arg_key(4097)
-    assert launch.arg_key(1) != launch.arg_key(True) and launch.arg_key(base) != launch.arg_key(base[1:])
+    k4096, k8192, k4097, k1, k_true, k_base, k_base1 = launch.arg_keys((4096, 8192, 4097, 1, True, base, base[1:]))
+    assert k4096 == k8192 and k4096 != k4097 and k1 != k_true and k_base != k_base1
 
 
 @triton.jit
@@ -114,3 +119,15 @@ def test_direct_launches_give_the_jit_launches_bits(fp8, causal, monkeypatch, de
             assert rel_error(a, b) < 1e-3
         else:
             assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the benchmark")
+def test_host_time_benchmark_needs_a_gpu(monkeypatch, tmp_path):
+    """scripts/bench_host_time.py (the paired timing of both launch paths) says what it needs where it cannot run."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_host_time.py"
+    spec = importlib.util.spec_from_file_location("bench_host_time", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["bench_host_time.py", "--out", str(tmp_path / "host.csv")])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        module.main()
