@@ -4,7 +4,11 @@
 kernel's launcher runs. On the H200 box's host that took 37 us a launch of ``fp8_quantize_kernel`` (23 arguments,
 15 constexprs and options), of which the compiled kernel's own launcher took 10; the FP8 forward makes four such
 launches a call (benchmarks/NOTES.md, twenty-second session). ``launch_kernel`` keeps, per kernel and per key of its
-arguments, the compiled kernel the first JIT launch returned, and later calls its launcher directly.
+arguments, the compiled kernel the first JIT launch returned, and later calls its launcher directly. Measured on
+the H200 box (``scripts/bench_host_time.py``, both paths in alternating rounds of one process; per-case medians of
+the paired differences, benchmarks/results/host_time_direct_launch_h200_2026-11-30_run2.csv): 9-14 us less host
+time per bf16 forward (one launch), 46-99 us per FP8 forward (four), 155-237 us per bf16 forward + backward and
+188-316 us per ``fp8="full"`` forward + backward.
 
 The key holds everything Triton 3.6 specialises a kernel on, or finer (``arg_keys``), so two calls with one key
 compile to the same kernel. Only Triton 3.6's launcher contract has been read (``JITFunction.run``,

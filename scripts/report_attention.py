@@ -215,7 +215,7 @@ def main(argv=None):
         if args.gpu_time:
             gpu_time = pd.read_csv(args.gpu_time)
             gpu_time["causal"] = gpu_time["causal"].astype(str) == "True"
-            source += (f" Forward GPU time: the sum of one call's kernels (torch.profiler), from "
+            source += (f" Forward GPU time: a call's kernels summed (torch.profiler), from "
                        f"[`{args.gpu_time}`]({args.gpu_time}); where the FP8 op's host time exceeds it, do_bench times"
                        " the host.")
         text = (source + " FP8 with the Hadamard rotation and K smoothing (the defaults).\n\n"
