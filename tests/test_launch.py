@@ -69,6 +69,32 @@ def test_positional_constexpr_is_refused(device):
 
 
 @pytest.mark.gpu
+def test_launch_hooks_see_every_launch(device):
+    """With a launch hook registered (profilers read its metadata), every launch goes through Triton's JIT, also
+    those of a key already compiled: the hook sees each one."""
+    if not launch.DIRECT:
+        pytest.skip("direct launches are off for this Triton version")
+    from triton import knobs
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    x = torch.arange(64, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    for _ in range(2):  # compiled, then launched directly: the key is known before the hook is set
+        launch.launch_kernel(_scaled_copy_kernel, (2,), x, y, 64, BLOCK=32)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(3):
+            launch.launch_kernel(_scaled_copy_kernel, (2,), x, y, 64, BLOCK=32)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 3
+    assert torch.equal(y, x * 2)
+
+
+@pytest.mark.gpu
 def test_unaligned_input_gets_its_own_compiled_kernel(device):
     """fp8_quantize of a 16-byte aligned view and of an unaligned one of the same shape and strides, in both orders:
     Triton compiles the aligned case with wider loads, so reusing it for the other would read wrong addresses.
