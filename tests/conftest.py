@@ -21,8 +21,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="flasht
 
 import pytest  # noqa: E402
 
+from flashtrain.kernels.launch import INTERPRET  # noqa: E402  (the kernels' own reading of TRITON_INTERPRET)
+
 HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
