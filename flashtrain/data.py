@@ -3,8 +3,11 @@
 Sources, in order of precedence:
   * ``files``: local text or JSON(L) files (``datasets``' "text" / "json" builders);
   * ``hub``: a dataset name on the Hugging Face hub (needs the network);
-  * neither: the built-in corpus, the Python documentation topics that ship with CPython itself
-    (``pydoc_data.topics``, ~466 KB of English prose and grammar), so a fresh machine trains offline.
+  * neither: a built-in corpus that every CPython carries, so a fresh machine trains offline (``builtin``):
+    ``"python_docs"`` (default), the Python documentation topics (``pydoc_data.topics``, ~466 KB of English
+    prose and grammar), or ``"python_stdlib"``, the running Python's standard library sources (10-30 MB of
+    ``.py`` files, as the install has its tests or not; site-packages left out): large enough that a few hundred steps of 32k tokens see no window
+    twice, so the training loss there measures learning rather than memorising.
 
 Text is tokenised (UTF-8 bytes by default, or a ``tokenizers`` tokenizer file), concatenated and cut into
 windows of ``seq_len + 1`` tokens (inputs and shifted targets), split into train and validation, and cached
@@ -26,16 +29,37 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 
-def builtin_corpus_file(cache_dir: Path) -> Path:
-    """Write the Python documentation topics (shipped with CPython) to a text file once; return its path."""
-    import pydoc_data.topics
+BUILTIN_CORPORA = ("python_docs", "python_stdlib")
 
-    path = cache_dir / "python_docs_topics.txt"
+
+def _stdlib_sources() -> list[Path]:
+    """The running Python's standard library ``.py`` files (site-packages and dist-packages left out), sorted."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py")
+                  if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
+
+
+def builtin_corpus_file(cache_dir: Path, name: str = "python_docs") -> Path:
+    """Write the built-in corpus ``name`` (``BUILTIN_CORPORA``; the module docstring) to a text file once;
+    return its path."""
+    import sys
+
+    if name not in BUILTIN_CORPORA:
+        raise ValueError(f"data.builtin={name!r}; expected one of {BUILTIN_CORPORA}")
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    path = cache_dir / ("python_docs_topics.txt" if name == "python_docs" else f"python{version}_stdlib_sources.txt")
     if not path.exists():
+        if name == "python_docs":
+            import pydoc_data.topics
+
+            pieces = [pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)]
+        else:
+            pieces = [p.read_text(encoding="utf-8", errors="replace") for p in _stdlib_sources()]
         cache_dir.mkdir(parents=True, exist_ok=True)
-        text = "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_text("\n\n".join(pieces), encoding="utf-8")
         tmp.replace(path)  # atomic: a concurrent process never reads half a file
     return path
 
@@ -65,7 +89,8 @@ class TextDataModule(L.LightningDataModule):
 
     def __init__(self, seq_len: int, batch_size: int, files=None, hub: str | None = None, hub_config=None,
                  text_field: str = "text", tokenizer: str | None = None, vocab_size: int = 256,
-                 val_fraction: float = 0.02, seed: int = 1234, num_workers: int = 0, cache_dir=None):
+                 val_fraction: float = 0.02, seed: int = 1234, num_workers: int = 0, cache_dir=None,
+                 builtin: str = "python_docs"):
         super().__init__()
         if int(seq_len) < 1 or int(batch_size) < 1:
             raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be positive integers")
@@ -73,6 +98,9 @@ class TextDataModule(L.LightningDataModule):
         self.files = [files] if isinstance(files, str) else (list(files) if files else None)
         self.hub, self.hub_config, self.text_field = hub, hub_config, text_field
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        if builtin not in BUILTIN_CORPORA:
+            raise ValueError(f"data.builtin={builtin!r}; expected one of {BUILTIN_CORPORA}")
+        self.builtin = builtin
         self.val_fraction, self.seed, self.num_workers = val_fraction, seed, num_workers
         self.cache_dir = Path(cache_dir or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
                               / "flashtrain")
@@ -96,7 +124,7 @@ class TextDataModule(L.LightningDataModule):
                 raise ValueError(f"data.hub={self.hub!r}: could not load it from the Hugging Face hub "
                                  f"({type(exc).__name__}: {exc}). Check the name, or use data.files=...") from exc
         else:
-            ds = datasets.load_dataset("text", data_files=str(builtin_corpus_file(self.cache_dir)),
+            ds = datasets.load_dataset("text", data_files=str(builtin_corpus_file(self.cache_dir, self.builtin)),
                                        split="train", sample_by="document")
         if self.text_field not in ds.column_names:
             raise ValueError(f"data.text_field={self.text_field!r} is not a column of the dataset; "

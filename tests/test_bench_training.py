@@ -31,6 +31,21 @@ def test_loss_summary_over_seeds():
     assert "flash seq 4096 seed 2: mean loss over the last 20 steps 0.8000" in lines
     assert "flash seq 4096: mean of 2 seeds 0.7000 (range 0.6000-0.8000), +0.0% against the first" in lines
     assert "flash_fp8:full seq 4096: mean of 2 seeds 0.7350 (range 0.7200-0.7500), +5.0% against the first" in lines
+    # paired by seed: +20% (seed 1) and -6.25% (seed 2)
+    assert lines[-1] == "flash_fp8:full seq 4096 against flash, same seed: +6.88% (range -6.25% to +20.00%, 2 seeds)"
+
+
+def test_loss_summary_leaves_out_runs_that_turned_non_finite():
+    finals = {("flash", 1): 0.6, ("flash", 2): 0.8, ("flash", 3): 0.7, ("flash_fp8:full", 1): 0.66,
+              ("flash_fp8:full", 2): 0.76, ("flash_fp8:full", 3): 0.7}
+    rows = loss_rows(finals)
+    for row in rows:
+        if row["attn"] == "flash_fp8:full" and row["seed"] == "2" and int(row["step"]) >= 25:
+            row["loss"] = "nan"
+    lines = bench_training.summarise_losses(bench_training.loss_curves(rows))
+    assert "flash_fp8:full seq 4096 seed 2: non-finite loss from step 25 (left out below)" in lines
+    assert "flash_fp8:full seq 4096: mean of 2 seeds 0.6800 (range 0.6600-0.7000), -2.9% against the first" in lines
+    assert lines[-1] == "flash_fp8:full seq 4096 against flash, same seed: +5.00% (range +0.00% to +10.00%, 2 seeds)"
 
 
 def test_loss_summary_of_files_without_seeds():

@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from flashtrain.config import parse_tokens, register_resolvers
-from flashtrain.data import StepSampler, TextDataModule
+from flashtrain.data import StepSampler, TextDataModule, builtin_corpus_file
 from flashtrain.train import build, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,6 +195,16 @@ def test_builtin_corpus_is_real_text(tmp_path):
     assert len(dm.train_set) > 1000  # ~466 KB of Python documentation
     window = bytes(dm.train_set[0]["ids"].tolist()).decode("utf-8", errors="replace")
     assert sum(c.isalpha() for c in window) > 100
+
+
+def test_stdlib_corpus_is_the_standard_library(tmp_path):
+    path = builtin_corpus_file(tmp_path, "python_stdlib")
+    text = path.read_text(encoding="utf-8")
+    assert len(text) > 10_000_000  # 10-30 MB of sources, so 300 steps of 32k tokens see no window twice
+    assert "def " in text and "import " in text
+    assert builtin_corpus_file(tmp_path, "python_stdlib").stat().st_mtime == path.stat().st_mtime  # written once
+    with pytest.raises(ValueError, match="data.builtin='python'"):
+        TextDataModule(seq_len=8, batch_size=2, builtin="python", cache_dir=tmp_path)
 
 
 def test_data_errors(tmp_path):
