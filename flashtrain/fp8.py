@@ -8,7 +8,9 @@ Numerics:
 * Scales: one float32 scale per (batch, head, tile of rows), the tile the attention kernel loads:
   scale = amax(|tile|) / 448 rounded up to a power of two, so the tile's largest value lands in (224, 448]
   and nothing overflows; being a power of two, q * scale is exact in bfloat16 (see ``fp8="forward"``). An
-  all-zero tile gets scale 1 and quantises to zeros (no NaN). Dequantisation is q * scale.
+  all-zero tile gets scale 1 and quantises to zeros (no NaN). Every scale is at least 2^-126, fp32's smallest
+  normal value, so 1 / scale stays finite: a tile with amax < ~5e-36 quantises to e4m3's subnormals or zeros.
+  Dequantisation is q * scale.
 * Rounding: round to nearest, ties to even, bit-identical to torch's own conversion: the GPU's cast does it,
   and in Triton's interpreter ``flashtrain.kernels.fp8_quant`` rounds onto the e4m3 grid before the cast.
 * Non-finite inputs: a tile's amax leaves NaNs out; a NaN is quantised to e4m3's NaN, and an infinite value (its
@@ -83,8 +85,11 @@ Numerics:
     e4m3's subnormals) for smaller ones;
   - dK (the dK/dV kernel's dS^T tile, BLOCK_N keys x BLOCK_M queries): per key, u_K is the running largest
     (over the query tiles so far) of c = (amax over the tile's queries of |dS| / 448, up to a power of two) x
-    q_scale; a larger c rescales the key's dK row by u_old / u_new (exact), and dS8 = round_e4m3(dS q_scale /
-    u_K), which is dS over its own row scale where c is the largest;
+    q_scale, and at least 2^-126; a larger c rescales the key's dK row by u_old / u_new (exact), and dS8 =
+    round_e4m3(dS q_scale / u_K), which is dS over its own row scale where c is the largest. (Without the floor,
+    a key whose probabilities over a query tile are ~2^-100 or less, with gradients of ~1e-7, had c below fp32's
+    normal range, 1 / u_K infinite and dK NaN: gpt2-small-h128 training, benchmarks/NOTES.md, twenty-fourth
+    session.);
   - dQ (the dQ kernel's dS tile, BLOCK_M queries x BLOCK_N keys): one power-of-two scale per query row over the
     key tile, dQ += (dS8 K8) x row scale x k_scale.
   dQ and dK are rotated back by the inverse Hadamard transform, in the kernels on the fp32 tiles before they are

@@ -10,6 +10,7 @@ import math
 import torch
 
 # the +-1 matrix only (a constant): hadamard_ref's matmul with it stays independent of the butterfly kernel
+from .kernels.fp8_quant import MIN_SCALE
 from .kernels.hadamard import hadamard_matrix
 
 
@@ -55,15 +56,16 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
 def fp8_quantize_ref(x: torch.Tensor, block_n: int, amax_to: float = 448.0):
     """Per-tile e4m3 quantisation (see flashtrain.kernels.fp8_quant): returns (q, scales) like the kernel, each
-    tile's largest magnitude scaled into (amax_to / 2, amax_to]. A tile's amax leaves NaNs out, as the kernel's
-    does; a NaN stays NaN and an infinite value, whose tile's scale is then infinite, becomes NaN."""
+    tile's largest magnitude scaled into (amax_to / 2, amax_to] (the scale at least ``MIN_SCALE``, 2^-126). A tile's
+    amax leaves NaNs out, as the kernel's does; a NaN stays NaN and an infinite value, whose tile's scale is then
+    infinite, becomes NaN."""
     batch, heads, seq, head_dim = x.shape
     tiles = -(-seq // block_n)
     padded = torch.zeros(batch, heads, tiles * block_n, head_dim, dtype=torch.float32, device=x.device)
     padded[:, :, :seq] = x.float()
     padded = padded.view(batch, heads, tiles, block_n, head_dim)
     amax = torch.where(padded.isnan(), 0.0, padded.abs()).amax(dim=(-1, -2))  # (B, H, tiles)
-    scales = torch.where(amax > 0, pow2_at_least(amax / amax_to), torch.ones_like(amax))
+    scales = torch.where(amax > 0, pow2_at_least((amax / amax_to).clamp_min(MIN_SCALE.value)), torch.ones_like(amax))
     q = (padded / scales[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(batch, heads, tiles * block_n, head_dim)[:, :, :seq], scales
 
@@ -162,8 +164,8 @@ def _tile_quantize(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 rounded up to a power of two (``pow2_at_least``); 0 where amax is 0."""
-    return torch.where(amax > 0, pow2_at_least(amax / 448.0), torch.zeros_like(amax))
+    """amax / 448, at least ``MIN_SCALE``, rounded up to a power of two (``pow2_at_least``); 0 where amax is 0."""
+    return torch.where(amax > 0, pow2_at_least((amax / 448.0).clamp_min(MIN_SCALE.value)), torch.zeros_like(amax))
 
 
 def _empty_tiles_zero(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -195,13 +197,13 @@ def _group_unit_p(p: torch.Tensor, do_scales: torch.Tensor, group: int) -> torch
 def _running_unit_quantize(ds: torch.Tensor, q_scales: torch.Tensor, group: int, block_m: int) -> torch.Tensor:
     """dS (B, H_q, M, N) as the dK/dV kernel rounds it, dequantised, float64. The kernel walks the query tiles
     of BLOCK_M rows (of each query head of a GQA group in turn) and keeps each key's dK row in units of the
-    running max over the tiles so far of c = (that key's dS scale over the tile) * q_scale; it rounds dS * q_scale
-    / unit to e4m3. ``q_scales``: Q's scale per query row (B, H_q, >= M)."""
+    running max over the tiles so far of c = (that key's dS scale over the tile) * q_scale, at least ``MIN_SCALE``;
+    it rounds dS * q_scale / unit to e4m3. ``q_scales``: Q's scale per query row (B, H_q, >= M)."""
     batch, heads_q, m, n = ds.shape
     tiles = -(-m // block_m)
     padded = torch.nn.functional.pad(ds, (0, 0, 0, tiles * block_m - m)).unflatten(2, (tiles, block_m))
     q_scale = q_scales[..., : tiles * block_m : block_m][..., None, None]  # (B, H_q, T, 1, 1)
-    c = _pow2_scales(padded.abs().amax(dim=3, keepdim=True)) * q_scale  # (B, H_q, T, 1, N)
+    c = (_pow2_scales(padded.abs().amax(dim=3, keepdim=True)) * q_scale).clamp_min(MIN_SCALE.value)  # (B, H_q, T, 1, N)
     # the running max in the kernel's order: the group's heads one after another, each over its tiles
     unit = c.unflatten(1, (heads_q // group, group)).flatten(2, 3).cummax(dim=2).values
     unit = unit.unflatten(2, (group, tiles)).flatten(1, 2)

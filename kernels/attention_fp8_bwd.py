@@ -10,8 +10,9 @@ With the forward's notation (S in the log2 domain, lse from the FP8 forward), pe
 and at the end dV *= dv_unit / 448, dK *= dk_unit * softmax scale, dQ *= softmax scale. dV and dK thus
 accumulate in place in the tensor core's accumulator (a second fp32 tile for each product's scaled copy does
 not fit in registers beside them at 128 keys and head_dim 128): dv_unit is the largest dO tile scale of the
-GQA group; dk_unit, per key, the running largest (dS row scale) * q_scale, which rescales the key's dK row when
-it grows (powers of two: exact). An all-zero Q or dO tile has scale 0 here, so it never sets a unit.
+GQA group; dk_unit, per key, the running largest (dS row scale) * q_scale (at least 2^-126, so that 1 / dk_unit
+is finite), which rescales the key's dK row when it grows (powers of two: exact). An all-zero Q or dO tile has
+scale 0 here, so it never sets a unit.
 Q and dO are quantised in tiles of SCALE_M rows, K and V in tiles of SCALE_N rows (``configs.fp8_bwd_tiles``);
 the kernels' tiles divide them, so every tile a loop step loads has one scale. dS is quantised in the kernel
 that uses it, one power-of-two scale per row of the tile it holds: per key over BLOCK_M queries in the dK/dV
@@ -45,7 +46,7 @@ import triton.language as tl
 from . import configs
 from .attention_bwd import _dkdv_query_range, backward_delta
 from .attention_fwd import LOG2E, _load_rows, _query_block_key_range, split_scale
-from .fp8_quant import SOFTWARE_ROUNDING, _tile_scale, _to_e4m3, fp8_quantize
+from .fp8_quant import MIN_SCALE, SOFTWARE_ROUNDING, _tile_scale, _to_e4m3, fp8_quantize
 from .hadamard import _inverse_rotation
 from .launch import launch_kernel
 
@@ -142,8 +143,10 @@ def _attention_fp8_bwd_dkdv_inner(dk, dv, dk_unit, inv_dv_unit, k, v, k_scale, v
         # dS / (its row scale) where c is the max, and lower binades where an earlier step's c was larger.
         dp_t = tl.dot(v, tl.trans(do)) * (v_scale * do_scale)
         ds_t = p_t * (dp_t - delta[None, :])
-        unit = tl.maximum(dk_unit, _row_scales(ds_t) * q_scale)
-        inv_unit = 1.0 / tl.where(unit > 0.0, unit, 1.0)  # unit 0: the row's dS and dK are zeros so far
+        # at least MIN_SCALE (2^-126), as the tile scales: a (dS row scale) x q_scale below fp32's normal range made
+        # 1 / unit infinite and dK NaN; rows whose dS is zero so far (dK zero) take it too, harmlessly
+        unit = tl.maximum(dk_unit, tl.maximum(_row_scales(ds_t) * q_scale, MIN_SCALE))
+        inv_unit = 1.0 / unit
         dk = dk * (dk_unit * inv_unit)[:, None]
         ds8_t = _to_e4m3_sat(ds_t * (q_scale * inv_unit)[:, None])
         dk = tl.dot(ds8_t, tl.trans(q_t), dk)

@@ -5,8 +5,9 @@ value) rounded up to a power of two, q = round_e4m3(x / scale), so x ~= q * scal
 value lands in (224, 448]. e4m3 is a floating-point format, so the power of two costs no relative precision
 (only the subnormal floor moves, by at most one binade); in exchange q * scale is exact in bfloat16 (and in
 float16 above its subnormal range), which lets the backward of ``fp8="forward"`` recompute exactly the
-forward's scores from 16-bit operands. An all-zero tile gets scale 1 (no 0/0) and quantises to zeros. Tails
-(seq not a multiple of BLOCK_N) take the amax of their valid rows only.
+forward's scores from 16-bit operands. An all-zero tile gets scale 1 (no 0/0) and quantises to zeros. No scale
+is below 2^-126 (``MIN_SCALE``), so 1 / scale is finite. Tails (seq not a multiple of BLOCK_N) take the amax of
+their valid rows only.
 
 Rounding is to nearest even on the e4m3 grid (3 mantissa bits; spacing 2^-9 below 2^-6, e4m3's subnormals),
 the same as torch's ``.to(torch.float8_e4m3fn)``. On the GPU the cast does it (``cvt.rn.satfinite``). Triton's
@@ -76,13 +77,21 @@ def _pow2_at_least(x):
     return ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)  # 0x7F800000: the exponent field
 
 
+# The smallest scale: fp32's smallest normal value, 2^-126, so that 1 / scale (2^126 at most) and the products of
+# scales stay finite. A tile whose amax / 448 falls below it (amax < ~5e-36) is quantised as if its amax were
+# larger: its values go to e4m3's subnormals or to zero, where a subnormal scale made 1 / scale infinite and the
+# FP8 backward's dK NaN (gradients of ~1e-7 times probabilities of ~2^-100; benchmarks/NOTES.md, twenty-fourth
+# session).
+MIN_SCALE = tl.constexpr(2.0 ** -126)
+
+
 @triton.jit
 def _tile_scale(amax, POW2_SCALE: tl.constexpr, AMAX_TO: tl.constexpr = 448.0):
     """A tile's scale from its largest magnitude: amax / AMAX_TO (default 448, e4m3's largest finite value),
-    rounded up to a power of two if POW2_SCALE; 1 for an all-zero tile."""
+    at least MIN_SCALE, rounded up to a power of two if POW2_SCALE; 1 for an all-zero tile."""
     if POW2_SCALE:
-        return tl.where(amax > 0.0, _pow2_at_least(amax / AMAX_TO), 1.0)
-    return tl.where(amax > 0.0, amax / AMAX_TO, 1.0)
+        return tl.where(amax > 0.0, _pow2_at_least(tl.maximum(amax / AMAX_TO, MIN_SCALE)), 1.0)
+    return tl.where(amax > 0.0, tl.maximum(amax / AMAX_TO, MIN_SCALE), 1.0)
 
 
 @triton.jit

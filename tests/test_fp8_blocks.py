@@ -96,6 +96,20 @@ def test_centre_matches_reference(shape, dtype, out_dtype, device):
         centre(x, mean.double(), out_dtype)
 
 
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-37, 1e-40, 1e-44], ids=str)
+def test_quantize_tiles_below_fp32_normal_range(magnitude, device):
+    """A tile whose amax / 448 is below fp32's smallest normal (2^-126) gets that scale (a smaller or zero one made
+    1 / scale infinite and the tile NaN): bits and scales of the reference, finite, and zero where x / 2^-126 is
+    below e4m3's smallest subnormal."""
+    x = torch.randn(1, 1, 64, 32, generator=torch.Generator().manual_seed(2)).to(device) * magnitude
+    q, scales = fp8_quantize(x, 32)
+    ref_q, ref_scales = fp8_quantize_ref(x, 32)
+    assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.isfinite(q.float()).all() and (scales >= 2.0**-126).all()
+    if magnitude < 1e-36:
+        assert torch.equal(scales, torch.full_like(scales, 2.0**-126))
+
+
 def test_quantize_zero_tiles_and_tails(device):
     x = torch.zeros(1, 1, 40, 16, device=device)
     x[0, 0, 35, 3] = 7.0  # only the last (tail) tile of 8 rows is non-zero
