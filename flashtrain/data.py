@@ -6,8 +6,8 @@ Sources, in order of precedence:
   * neither: a built-in corpus that every CPython carries, so a fresh machine trains offline (``builtin``):
     ``"python_docs"`` (default), the Python documentation topics (``pydoc_data.topics``, ~466 KB of English
     prose and grammar), or ``"python_stdlib"``, the running Python's standard library sources (10-30 MB of
-    ``.py`` files, as the install has its tests or not; site-packages left out): large enough that a few hundred steps of 32k tokens see no window
-    twice, so the training loss there measures learning rather than memorising.
+    ``.py`` files, as the install has its tests or not; site-packages left out): large enough that a few hundred
+    steps of 32k tokens see no window twice, so the training loss there measures learning rather than memorising.
 
 Text is tokenised (UTF-8 bytes by default, or a ``tokenizers`` tokenizer file), concatenated and cut into
 windows of ``seq_len + 1`` tokens (inputs and shifted targets), split into train and validation, and cached

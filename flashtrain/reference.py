@@ -9,8 +9,8 @@ import math
 
 import torch
 
+from .kernels.fp8_quant import MIN_SCALE  # a constant: the smallest scale the kernels give (2^-126)
 # the +-1 matrix only (a constant): hadamard_ref's matmul with it stays independent of the butterfly kernel
-from .kernels.fp8_quant import MIN_SCALE
 from .kernels.hadamard import hadamard_matrix
 
 

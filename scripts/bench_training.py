@@ -20,8 +20,8 @@ loss moves by a few percent between runs, so compare attention choices over seve
     python scripts/bench_training.py --plot-losses benchmarks/results/fp8_losses_h200.csv --plot PNG
 
 --overrides passes further Hydra overrides to every run (recorded in the CSV), e.g. ``data.builtin=python_stdlib``:
-the built-in corpus of ~466 KB is seen ~20 times in 300 steps of 32k tokens, so a loss there measures memorising;
-the standard library's sources (~30 MB) are not seen twice in that time. With several seeds, the loss summary also
+the built-in corpus of ~466 KB is read ~21 times in 300 steps of 32k tokens, so a loss there measures memorising;
+no window of the standard library's sources (10-30 MB) is read twice in that time. With several seeds, the loss summary also
 compares each run with the first attention's run of the same seed (same initial weights and batches).
 """
 

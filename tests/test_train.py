@@ -200,7 +200,7 @@ def test_builtin_corpus_is_real_text(tmp_path):
 def test_stdlib_corpus_is_the_standard_library(tmp_path):
     path = builtin_corpus_file(tmp_path, "python_stdlib")
     text = path.read_text(encoding="utf-8")
-    assert len(text) > 10_000_000  # 10-30 MB of sources, so 300 steps of 32k tokens see no window twice
+    assert len(text) > 5_000_000  # 10-30 MB of sources where measured (10.7 MB: Python 3.12 without its tests)
     assert "def " in text and "import " in text
     assert builtin_corpus_file(tmp_path, "python_stdlib").stat().st_mtime == path.stat().st_mtime  # written once
     with pytest.raises(ValueError, match="data.builtin='python'"):
