@@ -78,7 +78,8 @@ Numerics:
 * ``fp8="full"`` (``flashtrain.kernels.attention_fp8_bwd``): Q, K (rotated again, in the input dtype), V and dO
   are quantised per tile of 128 rows on the GPU (``configs.fp8_bwd_tiles``; an all-zero Q or dO tile reports
   scale 0); P is recomputed from the FP8 Q K^T and the forward's LSE; dP = dO8 V8^T, dS = P (dP - delta) in
-  fp32 with delta = rowsum(dO * O) from the unrounded tensors. dV and dK accumulate in place in fp32 (the
+  fp32 with delta = rowsum(dO8 * O) (dO8 dequantised: the dO that dP takes, so dS's rows sum closer to zero
+  than with dO's own values; computed in dO's quantisation pass). dV and dK accumulate in place in fp32 (the
   tensor core's accumulator), each in a power-of-two unit, so every product lands unscaled:
   - dV = sum P8^T dO8 in units of u_V / 448, u_V the largest dO tile scale of the GQA group: P8 =
     round_e4m3(448 P do_scale / u_V), P's fixed scale 1/448 for the largest dO tiles and lower binades (down to

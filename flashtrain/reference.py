@@ -217,9 +217,9 @@ def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, tiles, causal=False, scale
     rotated by ``signs`` if given, in its dtype) rounded to e4m3 per tile of SCALE_M rows, K (rotated) and V per
     tile of SCALE_N rows, P to e4m3 with the fixed scale 1/448 for dV, dS with one power-of-two scale per row of
     each kernel's tile (ROW_SCALES; else per tile): per key over the dK/dV kernel's BLOCK_M queries for dK, per
-    query over the dQ kernel's BLOCK_N keys for dQ; delta from the unrounded out and dout. ``smooth_k``: K enters
-    as ``smooth_keys_ref(k)``, with the LSE of those scores, and dK goes back through the centring. Returns
-    float64 (dq, dk, dv)."""
+    query over the dQ kernel's BLOCK_N keys for dQ; delta from out and the rounded dout (dO8, as dP takes it).
+    ``smooth_k``: K enters as ``smooth_keys_ref(k)``, with the LSE of those scores, and dK goes back through the
+    centring. Returns float64 (dq, dk, dv)."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if smooth_k:
@@ -249,7 +249,7 @@ def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, tiles, causal=False, scale
     lse = lse.double()
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), float("inf"))[..., None])  # no key: P = 0
     p_for_dv = _group_unit_p(p, do_scales_rows, group)
-    delta = (dout * out).sum(-1, keepdim=True)
+    delta = (do8 * out).sum(-1, keepdim=True)  # from the dO8 that dP takes
     ds = p * (do8 @ v8r.transpose(-1, -2) - delta)
     ds_for_dk = _running_unit_quantize(ds, q8_scales_rows, group, tiles["dkdv"]["BLOCK_M"])
     ds_for_dq = _tile_quantize(ds, 1, tiles["dq"]["BLOCK_N"])  # one scale per query row of a key tile

@@ -3,7 +3,7 @@
 With the forward's notation (S in the log2 domain, lse from the FP8 forward), per tile pair:
     P   = exp2(S - lse),         S recomputed from the FP8 Q and K tiles as in the forward
     dP  = (dO8 V8^T)  * (do_scale * v_scale)
-    dS  = P * (dP - delta)                        fp32; delta = rowsum(dO * O) - dlse (16-bit preprocess)
+    dS  = P * (dP - delta)                        fp32; delta = rowsum(dO8 * O) - dlse (dO's quantisation pass)
     dV += P8^T dO8                                P8 = round_e4m3(448 P * do_scale / dv_unit)
     dK += dS8^T Q8                                dS8 = round_e4m3(dS * q_scale / dk_unit), per key row
     dQ += (dS8 K8)    * (ds_scale * k_scale)      dS8 = round_e4m3(dS / ds_scale), per query row
@@ -44,9 +44,10 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_bwd import _dkdv_query_range, backward_delta
+from .attention_bwd import _dkdv_query_range
 from .attention_fwd import LOG2E, _load_rows, _query_block_key_range, split_scale
-from .fp8_quant import MIN_SCALE, SOFTWARE_ROUNDING, _tile_scale, _to_e4m3, fp8_quantize
+from .fp8_quant import (MIN_SCALE, SOFTWARE_ROUNDING, _quantize_with_pow2_scale, _store_copies, _tile_scale, _to_e4m3,
+                        fp8_quantize, quant_chunk)
 from .hadamard import _inverse_rotation
 from .launch import launch_kernel
 
@@ -338,6 +339,96 @@ def attention_fp8_bwd_dq_kernel(
              mask=(rows[:, None] < seq_q) & (offs_dk[None, :] < HEAD_DIM))
 
 
+@triton.jit
+def _quantize_do_rows(do_base, o_base, q_base, t_base, DLSE, DELTA, head, rows, scale, seq, stride_don, stride_dod,
+                      stride_on, stride_od, stride_qn, stride_qd, stride_tn, stride_td,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_DLSE: tl.constexpr,
+                      SECOND_COPY: tl.constexpr):
+    """dO's rows ``rows`` in e4m3 with the tile's ``scale`` (stored in both layouts if SECOND_COPY), and their delta:
+    the dequantised rows (the dO8 of dP = dO8 V8^T) dotted with O's, in fp32, minus dlse if HAS_DLSE."""
+    offs_d = tl.arange(0, BLOCK_D)
+    x = _load_rows(do_base + rows[:, None] * stride_don + offs_d[None, :] * stride_dod, rows, seq, offs_d, HEAD_DIM,
+                   BLOCK_D, True).to(tl.float32)
+    q = _quantize_with_pow2_scale(x, scale)
+    _store_copies(q_base, t_base, q, rows, seq, stride_qn, stride_qd, stride_tn, stride_td, CHUNK, BLOCK_D, HEAD_DIM,
+                  False, SECOND_COPY)
+    o = _load_rows(o_base + rows[:, None] * stride_on + offs_d[None, :] * stride_od, rows, seq, offs_d, HEAD_DIM,
+                   BLOCK_D, True).to(tl.float32)
+    delta = tl.sum(q.to(tl.float32) * scale * o, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + head * seq + rows, mask=rows < seq, other=0.0).to(tl.float32)
+    tl.store(DELTA + head * seq + rows, delta, mask=rows < seq)
+
+
+@triton.jit
+def fp8_bwd_quantize_do_kernel(
+    DO, O, DLSE, Q, QT, S, DELTA,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_tb, stride_th, stride_tn, stride_td,
+    seq,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_DLSE: tl.constexpr, SECOND_COPY: tl.constexpr,
+):
+    """One program: one tile of BLOCK_N rows of one (batch, head) of dO. Grid (cdiv(seq, BLOCK_N), H, B).
+
+    dO's quantisation as ``fp8_quantize(do, BLOCK_N, empty_tile_scale=0.0, with_transposed=SECOND_COPY)`` writes it
+    (Q, QT, S: the same bytes and scales), and the backward's delta from the same pass: DELTA (B, H, seq) fp32 =
+    rowsum(dequantised dO8 * O) - DLSE (HAS_DLSE; DLSE (B, H, seq) contiguous). With the dO8 that dP = dO8 V8^T
+    sees, the rows of dS = P (dP - delta) sum closer to zero than with dO's own values (benchmarks/NOTES.md,
+    twenty-fourth session), and the separate delta pass over O and dO goes. DO, O: any strides. A tile of more than
+    CHUNK rows is read twice, chunk by chunk, for its amax and then to quantise."""
+    tile, off_h, off_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
+    do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    t_base = QT + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
+    offs_d = tl.arange(0, BLOCK_D)
+    amax = 0.0
+    for c in tl.static_range(0, BLOCK_N, CHUNK):
+        rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
+        x = _load_rows(do_base + rows[:, None] * stride_don + offs_d[None, :] * stride_dod, rows, seq, offs_d,
+                       HEAD_DIM, BLOCK_D, True).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
+    scale = _tile_scale(amax, True)
+    for c in tl.static_range(0, BLOCK_N, CHUNK):
+        rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
+        _quantize_do_rows(do_base, o_base, q_base, t_base, DLSE, DELTA, head, rows, scale, seq, stride_don,
+                          stride_dod, stride_on, stride_od, stride_qn, stride_qd, stride_tn, stride_td, HEAD_DIM,
+                          BLOCK_D, CHUNK, HAS_DLSE, SECOND_COPY)
+    tl.store(S + head * tl.num_programs(0) + tile, tl.where(amax > 0.0, scale, 0.0))  # an all-zero tile: 0
+
+
+def quantize_do_and_delta(do: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, block_n: int):
+    """(do8, do_scales, do8_t, delta): dO quantised as ``fp8_quantize(do, block_n, empty_tile_scale=0.0,
+    with_transposed=True)`` returns it, and delta = rowsum(dO8 * O) - dlse (B, H, N) fp32 with dO8 dequantised, from
+    one pass (``fp8_bwd_quantize_do_kernel``; float32 dO takes its transposed copy from a second launch, as
+    ``fp8_quantize`` does)."""
+    batch, heads, seq, head_dim = do.shape
+    sixteen_bit = do.dtype in (torch.float16, torch.bfloat16)
+    do8 = torch.empty((batch, heads, seq, head_dim), device=do.device, dtype=torch.float8_e4m3fn)
+    if sixteen_bit:  # (B, H, D, row stride) with a row stride of a multiple of 16 bytes (TMA), viewed (B, H, N, D)
+        padded = torch.empty((batch, heads, head_dim, configs.cdiv(seq, 16) * 16), device=do.device,
+                             dtype=torch.float8_e4m3fn)
+        do8_t = padded[..., :seq].transpose(2, 3)
+    else:
+        do8_t = do8
+    scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=do.device, dtype=torch.float32)
+    delta = torch.empty((batch, heads, seq), device=do.device, dtype=torch.float32)
+    block_d = configs.block_d(head_dim)
+    launch_kernel(
+        fp8_bwd_quantize_do_kernel, (configs.cdiv(seq, block_n), heads, batch),
+        do, out, delta if dlse is None else dlse.contiguous(), do8, do8_t, scales, delta,
+        *do.stride(), *out.stride(), *do8.stride(), *do8_t.stride(), seq,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=quant_chunk(block_n, block_d),
+        HAS_DLSE=dlse is not None, SECOND_COPY=sixteen_bit)
+    if not sixteen_bit:
+        do8_t = fp8_quantize(do, block_n, transposed=True)[0]
+    return do8, scales, do8_t.transpose(2, 3) if sixteen_bit else do8_t, delta
+
+
 @configs.on_input_device
 def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, signs=None, k_mean=None,
                       dk_dtype=None, key_sums: bool = False):
@@ -365,13 +456,12 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
         return dq.zero_(), dk.zero_(), dv.zero_(), None if dk_sums is None else dk_sums.zero_()
     scale_m, scale_n = tiles["SCALE_M"], tiles["SCALE_N"]
     lse = lse.contiguous()
-    delta = backward_delta(out, do, dlse, lse)
     # Q's and dO's scales set the units of dK and dV: an all-zero tile reports 0, not 1. Q, K and dO are needed
     # in both layouts: one launch each writes both for 16-bit inputs (one read, one rotation; two for float32)
     q8, q_scales, q8_t = fp8_quantize(q, scale_m, signs=signs, empty_tile_scale=0.0, with_transposed=True)
     k8, k_scales, k8_t = fp8_quantize(k, scale_n, mean=k_mean, signs=signs, with_transposed=True)
     v8, v_scales = fp8_quantize(v, scale_n)
-    do8, do_scales, do8_t = fp8_quantize(do, scale_m, empty_tile_scale=0.0, with_transposed=True)
+    do8, do_scales, do8_t, delta = quantize_do_and_delta(do, out, dlse, scale_m)  # delta from the dO8 that dP sees
     dv_unit = do_scales.view(batch * heads_kv, -1).amax(dim=1)  # (B * H_kv,): each group's dO scales, contiguous
     common = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
                   BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal,

@@ -36,7 +36,7 @@ from flashtrain.kernels import configs  # noqa: E402
 from flashtrain.kernels.attention_bwd import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,  # noqa: E402
                                               attention_bwd_preprocess_kernel)
 from flashtrain.kernels.attention_fp8_bwd import (attention_fp8_bwd_dkdv_kernel,  # noqa: E402
-                                                  attention_fp8_bwd_dq_kernel)
+                                                  attention_fp8_bwd_dq_kernel, fp8_bwd_quantize_do_kernel)
 from flashtrain.kernels.attention_fp8_fwd import attention_fp8_fwd_kernel, fp8_scores_in_f16  # noqa: E402
 from flashtrain.kernels.attention_fwd import attention_fwd_kernel  # noqa: E402
 from flashtrain.kernels.centring import centre_kernel  # noqa: E402
@@ -194,6 +194,12 @@ def fp8_jobs(dtype="bf16", target_arch=90):
             yield quantize_job(f"{' centred' if centre else ''}{' rotated' if rotate else ''}"
                                f"{' zero-scale' if zero else ''}{' both layouts' if second else ''}",
                                rotate, centre, zero, second)
+        for second in (False, True):  # the FP8 backward's dO pass with its delta (both layouts for 16-bit dO)
+            yield (f"fp8 bwd dO and delta D={head_dim} both layouts={second}", fp8_bwd_quantize_do_kernel,
+                   {"DO": f"*{dtype}", "O": f"*{dtype}", "DLSE": "*fp32", "Q": fp8, "QT": fp8, "S": "*fp32",
+                    "DELTA": "*fp32"},
+                   dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CHUNK=fp8_quant.quant_chunk(128, head_dim),
+                        HAS_DLSE=False, SECOND_COPY=second), 4, 3)
         if fp8_scores_in_f16(head_dim):
             for centre in (False, True):  # Q and K for the FP8 Hopper forward's float16 scores
                 yield quantize_job(f"{' centred' if centre else ''} rotated to {configs.FP8_SCORES_AMAX}", True,

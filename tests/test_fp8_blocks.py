@@ -110,6 +110,33 @@ def test_quantize_tiles_below_fp32_normal_range(magnitude, device):
         assert torch.equal(scales, torch.full_like(scales, 2.0**-126))
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=str)
+@pytest.mark.parametrize("shape, block_n", [((1, 2, 1, 24), 16), ((2, 1, 37, 40), 16), ((1, 2, 129, 64), 32),
+                                            ((1, 1, 70, 256), 64)], ids=str)
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no_dlse", "dlse"])
+def test_quantize_do_and_delta(shape, block_n, dtype, with_dlse, device):
+    """The FP8 backward's pass over dO: the bytes and scales of ``fp8_quantize(do, block_n, empty_tile_scale=0.0,
+    with_transposed=True)``, and delta = rowsum(dO8 * O) - dlse against float64 (dO8 dequantised) within fp32
+    rounding; strided inputs, an all-zero tile, outputs poisoned."""
+    from flashtrain.kernels.attention_fp8_bwd import quantize_do_and_delta
+    gen = torch.Generator().manual_seed(4)
+    batch, heads, seq, head_dim = shape
+    do, out = ((torch.randn(batch, seq, heads, head_dim, generator=gen) * 1e-3).to(device, dtype).transpose(1, 2)
+               for _ in range(2))
+    do[:, :, :block_n] = 0.0  # the first tile all zeros: scale 0
+    dlse = torch.randn(batch, heads, seq, generator=gen).to(device) if with_dlse else None
+    do8, scales, do8_t, delta = quantize_do_and_delta(do, out, dlse, block_n)
+    ref8, ref_scales, ref8_t = fp8_quantize(do, block_n, empty_tile_scale=0.0, with_transposed=True)
+    assert torch.equal(scales, ref_scales) and torch.equal(do8.view(torch.uint8), ref8.view(torch.uint8))
+    assert do8_t.shape == ref8_t.shape and torch.equal(do8_t.view(torch.uint8), ref8_t.view(torch.uint8))
+    dequantised = fp8_dequantize_ref(do8, scales.clamp_min(2.0**-126), block_n).double()  # scale 0: zeros anyway
+    exact = (dequantised * out.double()).sum(-1) - (dlse.double() if with_dlse else 0.0)
+    bound = 1e-6 * ((dequantised * out.double()).abs().sum(-1) + (dlse.double().abs() if with_dlse else 0.0))
+    assert delta.dtype == torch.float32 and ((delta.double() - exact).abs() <= bound + 1e-30).all()
+
+
 def test_quantize_zero_tiles_and_tails(device):
     x = torch.zeros(1, 1, 40, 16, device=device)
     x[0, 0, 35, 3] = 7.0  # only the last (tail) tile of 8 rows is non-zero
