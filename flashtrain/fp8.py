@@ -26,8 +26,10 @@ Numerics:
   Walsh-Hadamard transform kernel (``flashtrain.kernels.hadamard``, O(d log d)) wherever fp32 holds the sums
   exactly (16-bit inputs: nearly always). The inverse (dQ and dK back, the gradient) is the transform kernel's
   butterfly: its own pass in ``fp8="forward"``'s backward, inside the FP8 kernels in ``fp8="full"``'s.
-* K smoothing (``smooth_k``, on by default): before the rotation and the quantisation, K loses its mean over
-  the sequence (per batch and KV head, computed in fp32, the difference rounded to the input dtype). Each
+* K smoothing (``smooth_k``, on by default): before the quantisation, K loses its mean over the sequence (per
+  batch and KV head, computed in fp32; with the rotation, its rotated rows lose the rotated mean, in fp32, and are
+  rounded once to the input dtype: the same in exact arithmetic, and K's rows enter the rotation's matmul as loaded;
+  without it, the difference is rounded to the input dtype). Each
   query's scores move by one constant, -scale * q_i . mean(K), which softmax ignores, so the output is
   unchanged in exact arithmetic; the LSE moves by that constant and is corrected back when returned (fp32).
   Without it, a component all keys share (trained transformers' keys often have one; SageAttention, Zhang et
@@ -39,7 +41,7 @@ Numerics:
   attention: output 8.1% -> 4.5%, ``"full"``'s dQ 20% -> 6.6%, dK 9.3% -> 6.6%, dV 8.2% -> 4.7%, the LSE
   0.26 -> 0.04 (largest absolute error). Without a shared component the errors stay within 4% of the
   unsmoothed ones (``"full"``'s dV 4.7% -> 4.8%, the LSE 0.049 -> 0.042). The subtraction runs inside the
-  quantisation kernel (before its rotation), after one reduction for the mean; dK goes back through the
+  quantisation kernel (after its rotation), after one reduction for the mean; dK goes back through the
   centring in the op's backward (``kernels.centring``: one pass; in ``fp8="full"`` its mean from the dK kernel's
   per-program key sums; in ``fp8="forward"``'s, inside the inverse rotation's pass), and the returned LSE's
   correction through plain autograd.

@@ -95,11 +95,16 @@ def centre_ref(x: torch.Tensor, mean: torch.Tensor, dtype: torch.dtype | None = 
     return torch.sub(x, mean[:, :, None], out=torch.empty_like(x, dtype=dtype or x.dtype))
 
 
-def hadamard_ref(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """(x zero-padded to len(signs)) * signs @ H / sqrt(len(signs)), in float64, returned in x's dtype."""
+def _rotated64(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """(x zero-padded to len(signs)) * signs @ H / sqrt(len(signs)), in float64."""
     d = signs.numel()
     padded = torch.nn.functional.pad(x.double(), (0, d - x.shape[-1]))
-    return ((padded * signs.double()) @ hadamard_matrix(d, device=x.device) / math.sqrt(d)).to(x.dtype)
+    return (padded * signs.double()) @ hadamard_matrix(d, device=x.device) / math.sqrt(d)
+
+
+def hadamard_ref(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """(x zero-padded to len(signs)) * signs @ H / sqrt(len(signs)), in float64, returned in x's dtype."""
+    return _rotated64(x, signs).to(x.dtype)
 
 
 def _e4m3_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -113,6 +118,20 @@ def smooth_keys_ref(k: torch.Tensor) -> torch.Tensor:
     return (k - k.mean(dim=2, keepdim=True, dtype=torch.float32)).to(k.dtype)
 
 
+def scores_operands_ref(q: torch.Tensor, k: torch.Tensor, signs: torch.Tensor | None = None,
+                        smooth_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q, K) as the FP8 kernels' scores take them, in the inputs' dtypes. With ``signs`` both rotated
+    (``hadamard_ref``), and with ``smooth_k`` K's rotated rows minus its rotated mean over the sequence (mean in
+    float32), in float64 with one rounding (``fp8_quantize(k, mean=, signs=)``); without a rotation
+    ``smooth_keys_ref(k)``."""
+    if signs is None:
+        return q, smooth_keys_ref(k) if smooth_k else k
+    if not smooth_k:
+        return hadamard_ref(q, signs), hadamard_ref(k, signs)
+    mean = k.mean(dim=2, keepdim=True, dtype=torch.float32)
+    return hadamard_ref(q, signs), (_rotated64(k, signs) - _rotated64(mean, signs)).to(k.dtype)
+
+
 def fp8_attention_ref(q, k, v, *, causal=False, scale=None, scheme="block+hadamard", block_m=128, block_n=128,
                       signs=None, smooth_k=False):
     """FP8 attention simulated in float64: what an FP8 kernel computes, up to its accumulation order.
@@ -120,15 +139,15 @@ def fp8_attention_ref(q, k, v, *, causal=False, scale=None, scheme="block+hadama
     scheme: "tensor" (one scale per tensor), "block" (one scale per tile of block_m query / block_n key rows,
     per batch and head), or "block+hadamard" (the same after rotating Q and K by diag(signs) H / sqrt(d')).
     Q K^T uses the dequantised Q and K; the softmax numerator P = exp(S - rowmax), in [0, 1], is rounded to
-    e4m3 with the fixed scale 1/448 before P V, and the row sum uses the unrounded P. ``smooth_k``: K enters as
-    ``smooth_keys_ref(k)`` (the output is the same in exact arithmetic). Returns float64 output.
+    e4m3 with the fixed scale 1/448 before P V, and the row sum uses the unrounded P. ``smooth_k``: K enters
+    smoothed (``scores_operands_ref``; the output is the same in exact arithmetic). Returns float64 output.
     """
-    if smooth_k:
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if smooth_k and not scheme.endswith("+hadamard"):
         k = smooth_keys_ref(k)
     q, k, v = q.double(), k.double(), v.double()
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if scheme.endswith("+hadamard"):
-        q, k = hadamard_ref(q, signs), hadamard_ref(k, signs)
+        q, k = scores_operands_ref(q, k, signs, smooth_k)
     if scheme == "tensor":
         quant = [_e4m3_round_trip(t, t.abs().amax().clamp_min(1e-30) / 448.0) for t in (q, k, v)]
     elif scheme in ("block", "block+hadamard"):
@@ -211,27 +230,29 @@ def _running_unit_quantize(ds: torch.Tensor, q_scales: torch.Tensor, group: int,
     return rounded.flatten(2, 3)[:, :, :m]
 
 
-def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, tiles, causal=False, scale=None, signs=None, smooth_k=False):
+def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, tiles, causal=False, scale=None, signs=None, smooth_k=False,
+                          _operands_ready=False):
     """The FP8 backward (``fp8="full"``) simulated in float64, given the forward's ``out`` and natural-log
     ``lse``, with the kernels' tiling ``tiles`` (``flashtrain.kernels.configs.fp8_bwd_tiles``): Q and dO (Q
     rotated by ``signs`` if given, in its dtype) rounded to e4m3 per tile of SCALE_M rows, K (rotated) and V per
     tile of SCALE_N rows, P to e4m3 with the fixed scale 1/448 for dV, dS with one power-of-two scale per row of
     each kernel's tile (ROW_SCALES; else per tile): per key over the dK/dV kernel's BLOCK_M queries for dK, per
     query over the dQ kernel's BLOCK_N keys for dQ; delta from out and the rounded dout (dO8, as dP takes it).
-    ``smooth_k``: K enters as ``smooth_keys_ref(k)``, with the LSE of those scores, and dK goes back through the
-    centring. Returns float64 (dq, dk, dv)."""
-    head_dim = q.shape[-1]
+    ``smooth_k``: K enters smoothed (``scores_operands_ref``), with the LSE of those scores, and dK goes back
+    through the centring. Returns float64 (dq, dk, dv)."""
+    head_dim = v.shape[-1]  # q's, also where q comes rotated (_operands_ready) and wider
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if smooth_k:
         k_mean = k.mean(dim=2, keepdim=True, dtype=torch.float32).double()
         group = q.shape[1] // k.shape[1]
         shift = (q.double().unflatten(1, (k.shape[1], group)) @ k_mean.unsqueeze(2).transpose(-1, -2))
         lse = lse.double() - scale * shift.flatten(1, 2)[..., 0]  # the centred scores' LSE
-        dq, dk, dv = fp8_attention_bwd_ref(q, smooth_keys_ref(k), v, out, lse, dout, tiles=tiles, causal=causal,
-                                           scale=scale, signs=signs)
+        q, k = scores_operands_ref(q, k, signs, smooth_k=True)
+        dq, dk, dv = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=tiles, causal=causal, scale=scale,
+                                           signs=signs, _operands_ready=True)
         return dq, dk - dk.mean(dim=2, keepdim=True), dv
-    if signs is not None:  # rotated, then rounded to the input dtype, as the kernels' inputs are
-        q, k = hadamard_ref(q, signs), hadamard_ref(k, signs)
+    if not _operands_ready:  # rotated, then rounded to the input dtype, as the kernels' inputs are
+        q, k = scores_operands_ref(q, k, signs)
     q, k, v, out, dout = (t.double() for t in (q, k, v, out, dout))
 
     def tiles_of_rows(t, block):

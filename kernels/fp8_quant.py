@@ -134,10 +134,13 @@ def _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd,
 
 
 @triton.jit
-def _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, R: tl.constexpr, BLOCK_D: tl.constexpr, METHOD: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, mean_rot, row_ok, R: tl.constexpr, BLOCK_D: tl.constexpr,
+                  METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr, CENTRE: tl.constexpr):
     """The rotated rows (x * signs) @ H_d' / sqrt(d') of x (R, BLOCK_D) in the input's dtype, fp32 holding values of
-    that dtype (rounded to it as ``hadamard`` writes them). How the +-1 matrix is applied (METHOD,
+    that dtype (rounded to it as ``hadamard`` writes them). CENTRE (K smoothing): minus ``mean_rot`` (1, BLOCK_D), the
+    rotated mean (``_rotated_mean``), before that one rounding, and rows not ``row_ok`` (R,) zero: x enters the
+    matmul as loaded, which lets the compiler copy its tiles to shared memory asynchronously (as for Q) where a
+    centring before the rotation held them in registers. How the +-1 matrix is applied (METHOD,
     ``rotate_method``):
       "butterfly": ``hadamard``'s log2(d') add/subtract stages on x * signs (fp32);
       "matmul":    one matmul with h_lo = diag(signs) H_d' (``_rotation_operands``; 16 <= d' <= 128);
@@ -160,7 +163,19 @@ def _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, R: tl.constexpr, BLOCK_D:
         y = tl.reshape(tl.permute(tl.join(y1 + y2, y1 - y2), (0, 2, 1)), (R, BLOCK_D))
     else:
         y = tl.dot(x, h_lo, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
-    return _scale(y, norm, norm_lo).to(OUT_DTYPE).to(tl.float32)
+    y = _scale(y, norm, norm_lo)
+    if CENTRE:
+        y = tl.where(row_ok[:, None], y - mean_rot, 0.0)
+    return y.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rotated_mean(MEAN, mean_base, signs, norm, norm_lo, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(1, BLOCK_D) fp32: the mean MEAN[mean_base:][:HEAD_DIM] (fp32, zero-padded) rotated as ``hadamard`` rotates a
+    row, by the butterfly in fp32: the bits of ``hadamard(mean, signs)``."""
+    offs = tl.arange(0, BLOCK_D)
+    mean = tl.load(MEAN + mean_base + offs, mask=offs < HEAD_DIM, other=0.0).to(tl.float32)
+    return _scale(_fwht((mean * signs)[None, :], 1, BLOCK_D), norm, norm_lo)
 
 
 @triton.jit
@@ -188,14 +203,20 @@ def _rotation_operands(SIGNS, H, ROTATE: tl.constexpr, METHOD: tl.constexpr, BLO
 
 
 @triton.jit
-def _quant_rows(X, MEAN, signs, h_lo, h_hi, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+def _quant_rows(X, centring, signs, h_lo, h_hi, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, CENTRE: tl.constexpr,
                 ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """(CHUNK, BLOCK_D) fp32: what gets quantised of rows ``rows`` (``_prepared_rows``, then rotated if ROTATE)."""
-    x = _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D, CENTRE)
+    """(CHUNK, BLOCK_D) fp32: what gets quantised of rows ``rows``: ``_prepared_rows``, or if ROTATE the rows rotated
+    (``_rotated_rows``). ``centring`` (with CENTRE): the MEAN pointer without ROTATE, the rotated mean (1, BLOCK_D)
+    with it."""
     if ROTATE:
-        return _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, CHUNK, BLOCK_D, METHOD, DOT_PRECISION)
-    return x.to(tl.float32)
+        x = _prepared_rows(X, X, x_base, mean_base, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D, False)
+        y = _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, centring, rows < seq, CHUNK, BLOCK_D, METHOD,
+                          DOT_PRECISION, CENTRE)
+    else:  # (an if/else: the compiler reads past a return in a constexpr branch)
+        y = _prepared_rows(X, centring, x_base, mean_base, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D,
+                           CENTRE).to(tl.float32)
+    return y
 
 
 @triton.jit
@@ -221,17 +242,18 @@ def _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, str
 
 
 @triton.jit
-def _quantize_tile(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn, stride_xd,
+def _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn, stride_xd,
                    stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                    CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, SECOND_COPY: tl.constexpr,
                    AMAX_TO: tl.constexpr):
-    """Quantise tile ``tile`` (rows [tile * BLOCK_N, + BLOCK_N)) of one (batch, head) and store its scale."""
+    """Quantise tile ``tile`` (rows [tile * BLOCK_N, + BLOCK_N)) of one (batch, head) and store its scale;
+    ``centring`` as ``_quant_rows``'."""
     OUT_DIM: tl.constexpr = BLOCK_D if ROTATE else HEAD_DIM
     if CHUNK == BLOCK_N:  # the whole tile in registers: one read
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        x = _quant_rows(X, MEAN, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+        x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                         norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
         amax = tl.max(tl.max(tl.abs(x), 1), 0)
         scale = _tile_scale(amax, True, AMAX_TO)
@@ -242,14 +264,14 @@ def _quantize_tile(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, 
         amax = 0.0
         for c in tl.static_range(0, BLOCK_N, CHUNK):
             rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _quant_rows(X, MEAN, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
-                            norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
+            x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd,
+                            norm, norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
         scale = _tile_scale(amax, True, AMAX_TO)
         for c in tl.static_range(0, BLOCK_N, CHUNK):
             rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _quant_rows(X, MEAN, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
-                            norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
+            x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd,
+                            norm, norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
             q = _quantize_with_pow2_scale(x, scale)
             _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
                           BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
@@ -294,15 +316,18 @@ def fp8_quantize_kernel(
     t_base = QT + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
     n_tiles = tl.cdiv(seq, BLOCK_N)
     signs, h_lo, h_hi = _rotation_operands(SIGNS, H, ROTATE, METHOD, BLOCK_D)
+    centring = MEAN
+    if ROTATE and CENTRE:  # K smoothing after the rotation: the rotated mean, once a program
+        centring = _rotated_mean(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D)
     if TILES == 1:
-        _quantize_tile(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tl.program_id(0), n_tiles,
+        _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tl.program_id(0), n_tiles,
                        stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                        HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION, ZERO_SCALE_IF_EMPTY,
                        MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
     else:  # a loop, so that the compiler's pipelining loads the next tile while this one is rotated
         first = tl.program_id(0) * TILES
         for tile in tl.range(first, tl.minimum(first + TILES, n_tiles)):
-            _quantize_tile(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn,
+            _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn,
                            stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                            HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION,
                            ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
@@ -387,10 +412,12 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     Returns (q, scales): q (B, H, N, D) float8_e4m3fn, contiguous; scales (B, H, cdiv(N, block_n)) float32,
     with x ~= q.float() * scales repeated over each tile's rows. ``mean`` (B, H, D) float32: subtracted
     first, the difference rounded to x's dtype (K smoothing; the bits of ``flashtrain.fp8._centred``).
-    ``signs`` (D',): the Hadamard rotation first (after the centring), fused: q is (B, H, N, D') and holds
+    ``signs`` (D',): the Hadamard rotation first, fused: q is (B, H, N, D') and holds
     ``fp8_quantize(hadamard(x, signs, mean=mean), block_n)`` (the rotation's sums in another order: the same
-    bits wherever fp32 holds them exactly). ``transposed``: q is returned as (B, H, D, N), N contiguous, its
-    row stride padded to a multiple of 16 bytes (the layout TMA loads; a view of the first N columns).
+    bits wherever fp32 holds them exactly); with ``mean`` too, the rotated rows minus the rotated mean, in fp32,
+    rounded once to x's dtype (the centring after the rotation: the same in exact arithmetic). ``transposed``: q is
+    returned as (B, H, D, N), N contiguous, its row stride padded to a multiple of 16 bytes (the layout TMA loads; a
+    view of the first N columns).
     ``empty_tile_scale``: the scale reported for an all-zero tile, 1.0 (default: dividing by it is safe) or 0.0
     (the FP8 backward's running units must not take an empty tile's scale as a magnitude).
     ``mma_key_order`` (with ``transposed``; ``block_n`` a multiple of 32): q is (B, H, D, cdiv(N, 32) * 32) with

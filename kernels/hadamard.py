@@ -78,23 +78,25 @@ def hadamard_kernel(X, SIGNS, Y, MEAN, n_rows, d_in, d_out, rows_per_mean, norm,
     """One program: BLOCK_R rows. X (n_rows, d_in), Y (n_rows, d_out), both contiguous; D = next pow2 >= d_in.
 
     SIGNS_FIRST: forward (signs, then H); else inverse (H, then signs). (norm, norm_lo): split 1/sqrt(D).
-    CENTRE: first subtract MEAN (n_rows / rows_per_mean, d_in) fp32, row r its row r // rows_per_mean; the forward
-    rounds the difference to X's dtype (as ``flashtrain.fp8._centred``), the inverse keeps it in fp32.
+    CENTRE: subtract MEAN (n_rows / rows_per_mean, d_in) fp32, row r its row r // rows_per_mean: the inverse first,
+    in fp32; the forward after the rotation, the rotated mean from the rotated rows (K smoothing's bits, as the
+    quantisation kernel centres them: ``fp8_quant._rotated_rows``), in fp32 (fp64 for fp64 X), one rounding.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, D)
     acc_dtype = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
     mask = (rows[:, None] < n_rows) & (cols[None, :] < d_in)
-    x = tl.load(X + rows[:, None].to(tl.int64) * d_in + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + rows[:, None].to(tl.int64) * d_in + cols[None, :], mask=mask, other=0.0).to(acc_dtype)
     if CENTRE:
         mean = tl.load(MEAN + (rows // rows_per_mean)[:, None].to(tl.int64) * d_in + cols[None, :], mask=mask,
-                       other=0.0)
-        x = tl.where(mask, x.to(acc_dtype) - mean.to(acc_dtype), 0.0)
-        if SIGNS_FIRST:  # K smoothing's bits: the centred K in its dtype, then the rotation
-            x = x.to(X.dtype.element_ty)
-    x = x.to(acc_dtype)
+                       other=0.0).to(acc_dtype)
+        if not SIGNS_FIRST:
+            x = tl.where(mask, x - mean, 0.0)
     if SIGNS_FIRST:
-        x = _scale(_fwht(x * tl.load(SIGNS + cols).to(acc_dtype)[None, :], BLOCK_R, D), norm, norm_lo)
+        signs = tl.load(SIGNS + cols).to(acc_dtype)[None, :]
+        x = _scale(_fwht(x * signs, BLOCK_R, D), norm, norm_lo)
+        if CENTRE:  # K smoothing: minus the rotated mean, before the one rounding
+            x = tl.where(rows[:, None] < n_rows, x - _scale(_fwht(mean * signs, BLOCK_R, D), norm, norm_lo), 0.0)
     else:
         x = _inverse_rotation(x, SIGNS, norm, norm_lo, BLOCK_R, D, D)
     tl.store(Y + rows[:, None].to(tl.int64) * d_out + cols[None, :], x.to(Y.dtype.element_ty),
@@ -124,10 +126,10 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_di
              mean: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """Forward: (..., d) -> (..., d'), y = (x * signs) @ H / sqrt(d'). Inverse: (..., d') -> (..., out_dim),
     x = (y @ H / sqrt(d') * signs)[..., :out_dim]. ``signs``: (d',) of +-1; d' = padded_dim(d) <= 256.
-    ``mean`` (x (B, H, N, d_in), mean (B, H, d_in) float32): x - mean first. Forward: rounded to x's dtype (K
-    smoothing; the bits of ``flashtrain.fp8._centred`` followed by the transform). Inverse: kept in fp32, one
-    rounding at the end (dK's centring in ``fp8="forward"``'s backward: the mean over the sequence commutes with
-    the rotation, so centring the rotated rows is centring the result).
+    ``mean`` (x (B, H, N, d_in), mean (B, H, d_in) float32): x - mean, in fp32 and one rounding at the end (the
+    mean over the sequence commutes with the rotation). Forward: the rotated x minus the rotated mean (K smoothing;
+    the bits of ``fp8_quantize(x, mean=mean, signs=signs)``'s rotated rows). Inverse: centred first (dK's centring
+    in ``fp8="forward"``'s backward).
     ``out_dtype``: the output's dtype (default x's), rounded once from the fp32 (fp64) sums: the bits of the
     transform in x's dtype followed by ``.to(out_dtype)`` when x is float32."""
     d_in = x.shape[-1]

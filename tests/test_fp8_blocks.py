@@ -156,9 +156,9 @@ def test_quantize_zero_tiles_and_tails(device):
                          ids=str)
 def test_centring_fused_into_quantise_and_rotate_bit_for_bit(shape, block_n, dtype, chunk_elements, device,
                                                              monkeypatch):
-    """K smoothing's centring inside fp8_quantize and inside the Hadamard kernel gives the bits of centring as
-    its own op (``centre_ref``) first, also when the quantisation reads a tile in chunks of rows (twice: for its
-    amax, then to quantise)."""
+    """K smoothing's centring inside fp8_quantize gives the bits of centring as its own op (``centre_ref``) first,
+    also when the quantisation reads a tile in chunks of rows (twice: for its amax, then to quantise); inside the
+    Hadamard kernel's forward, the bits of the rotated rows minus the rotated mean, in fp32 (fp64), rounded once."""
     monkeypatch.setattr(fp8_quant, "QUANT_CHUNK_ELEMENTS", chunk_elements)
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(shape, generator=gen) * 2 + torch.randn(shape[-1], generator=gen) * 3).to(device, dtype)
@@ -170,7 +170,9 @@ def test_centring_fused_into_quantise_and_rotate_bit_for_bit(shape, block_n, dty
         ref_q, ref_scales = fp8_quantize(centred, block_n)
         assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
     signs = random_signs(padded_dim(shape[-1]), seed=3, device=device)
-    assert torch.equal(hadamard(x, signs, mean=mean), hadamard(centred, signs))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    rotated_mean = hadamard(mean.to(acc)[:, :, None], signs)
+    assert torch.equal(hadamard(x, signs, mean=mean), (hadamard(x, signs, out_dtype=acc) - rotated_mean).to(dtype))
 
 
 @pytest.mark.usefixtures("poison_allocations")
