@@ -32,6 +32,12 @@ from torch.utils.data import DataLoader, Sampler
 BUILTIN_CORPORA = ("python_docs", "python_stdlib")
 
 
+def check_builtin(name: str) -> None:
+    """``data.builtin`` must name one of ``BUILTIN_CORPORA``."""
+    if name not in BUILTIN_CORPORA:
+        raise ValueError(f"data.builtin={name!r}; expected one of {BUILTIN_CORPORA}")
+
+
 def _stdlib_sources() -> list[Path]:
     """The running Python's standard library ``.py`` files (site-packages and dist-packages left out), sorted."""
     import sysconfig
@@ -46,8 +52,7 @@ def builtin_corpus_file(cache_dir: Path, name: str = "python_docs") -> Path:
     return its path."""
     import sys
 
-    if name not in BUILTIN_CORPORA:
-        raise ValueError(f"data.builtin={name!r}; expected one of {BUILTIN_CORPORA}")
+    check_builtin(name)
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     path = cache_dir / ("python_docs_topics.txt" if name == "python_docs" else f"python{version}_stdlib_sources.txt")
     if not path.exists():
@@ -98,8 +103,7 @@ class TextDataModule(L.LightningDataModule):
         self.files = [files] if isinstance(files, str) else (list(files) if files else None)
         self.hub, self.hub_config, self.text_field = hub, hub_config, text_field
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        if builtin not in BUILTIN_CORPORA:
-            raise ValueError(f"data.builtin={builtin!r}; expected one of {BUILTIN_CORPORA}")
+        check_builtin(builtin)  # here, not at setup: a wrong name fails when the config is built
         self.builtin = builtin
         self.val_fraction, self.seed, self.num_workers = val_fraction, seed, num_workers
         self.cache_dir = Path(cache_dir or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))

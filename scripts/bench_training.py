@@ -205,8 +205,7 @@ def summarise_losses(curves: dict, tail: int = 20) -> list[str]:
     paired, each run against the run of the first attn at its seq with the same seed (same initial weights and
     batches): the mean and range over the seeds of the relative change. A run whose loss turned non-finite is
     reported with the step where it did, and left out of the means."""
-    finals: dict = {}
-    by_seed: dict = {}
+    finals: dict = {}  # (attn, seq) -> {seed: mean loss of the run's last steps}
     lines = []
     for (attn, seq, seed), points in curves.items():
         run = f"{attn} seq {seq}{f' seed {seed}' if seed else ''}"
@@ -215,23 +214,23 @@ def summarise_losses(curves: dict, tail: int = 20) -> list[str]:
             lines.append(f"{run}: non-finite loss from step {bad} (left out below)")
             continue
         last = [loss for _, loss in points[-tail:]]
-        finals.setdefault((attn, seq), []).append(sum(last) / len(last))
-        by_seed[attn, seq, seed] = finals[attn, seq][-1]
-        lines.append(f"{run}: mean loss over the last {len(last)} steps {finals[attn, seq][-1]:.4f}")
+        final = finals.setdefault((attn, seq), {})[seed] = sum(last) / len(last)
+        lines.append(f"{run}: mean loss over the last {len(last)} steps {final:.4f}")
     if not finals:
         return lines
-    baseline = statistics.mean(next(iter(finals.values())))
-    for (attn, seq), values in finals.items():
-        if len(values) > 1:
+    baseline = statistics.mean(next(iter(finals.values())).values())
+    for (attn, seq), runs in finals.items():
+        if len(runs) > 1:
+            values = list(runs.values())
             mean = statistics.mean(values)
             lines.append(f"{attn} seq {seq}: mean of {len(values)} seeds {mean:.4f} (range {min(values):.4f}-"
                          f"{max(values):.4f}), {mean / baseline - 1:+.1%} against the first")
-    first_attn = {}
-    for attn, seq, _ in by_seed:
+    first_attn: dict = {}
+    for attn, seq in finals:
         first_attn.setdefault(seq, attn)
-    for (attn, seq), values in finals.items():
-        changes = [by_seed[attn, seq, seed] / by_seed[first_attn[seq], seq, seed] - 1
-                   for a, s, seed in by_seed if (a, s) == (attn, seq) and (first_attn[seq], seq, seed) in by_seed]
+    for (attn, seq), runs in finals.items():
+        first = finals[first_attn[seq], seq]
+        changes = [final / first[seed] - 1 for seed, final in runs.items() if seed in first]
         if attn != first_attn[seq] and len(changes) > 1:
             lines.append(f"{attn} seq {seq} against {first_attn[seq]}, same seed: {statistics.mean(changes):+.2%} "
                          f"(range {min(changes):+.2%} to {max(changes):+.2%}, {len(changes)} seeds)")
