@@ -80,8 +80,12 @@ def mma_key_order_ref(seq: int) -> torch.Tensor:
 
 
 def pow2_at_least(x: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= x (x > 0), elementwise, in x's dtype (computed in float64)."""
-    return torch.exp2(torch.ceil(torch.log2(x.double()))).to(x.dtype)
+    """The smallest power of two >= x (x > 0; inf and NaN kept), elementwise, in x's dtype: from x's exponent,
+    exact (CUDA's float64 log2 put 2^-126 above -126, and a log2 and ceil gave 2^-125)."""
+    mantissa, exponent = torch.frexp(x.double())  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # x itself a power of two
+    power = torch.ldexp(torch.ones_like(mantissa), exponent)
+    return torch.where(torch.isfinite(x), power.to(x.dtype), x)  # inf (an infinite tile's scale) stays inf
 
 
 def fp8_dequantize_ref(q: torch.Tensor, scales: torch.Tensor, block_n: int) -> torch.Tensor:

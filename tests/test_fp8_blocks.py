@@ -1,5 +1,7 @@
 """FP8 building blocks: per-tile e4m3 quantisation and the randomised Hadamard transform, against PyTorch."""
 
+import math
+
 import pytest
 import torch
 
@@ -7,7 +9,8 @@ from flashtrain.fp8 import _seq_mean, fp8_quantize, hadamard_transform, random_s
 from flashtrain.kernels import fp8_quant
 from flashtrain.kernels.centring import centre
 from flashtrain.kernels.hadamard import hadamard, hadamard_matrix, padded_dim
-from flashtrain.reference import centre_ref, fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref, mma_key_order_ref
+from flashtrain.reference import (centre_ref, fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref, mma_key_order_ref,
+                                  pow2_at_least)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -94,6 +97,22 @@ def test_centre_matches_reference(shape, dtype, out_dtype, device):
     assert torch.equal(out, ref) and not out.isnan().any()
     with pytest.raises(ValueError, match="mean must be float32"):
         centre(x, mean.double(), out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_pow2_at_least_is_exact(dtype, device):
+    """The references' scale rounding: every power of two of the dtype's range is its own (CUDA's float64 log2 of
+    2^-126 lay above -126, so a log2 and a ceil gave 2^-125 and the reference disagreed with the kernel), the next
+    value above one goes to the power above, and inf and NaN stay."""
+    info = torch.finfo(dtype)
+    lowest, highest = (math.frexp(info.smallest_normal * info.eps)[1] - 1, math.frexp(info.max)[1] - 1)
+    exponents = torch.arange(lowest, highest + 1, device=device)  # subnormals included
+    powers = torch.ldexp(torch.ones(exponents.shape, dtype=dtype, device=device), exponents)
+    assert torch.equal(pow2_at_least(powers), powers)
+    above = torch.nextafter(powers[:-1], torch.tensor(float("inf"), dtype=dtype, device=device))
+    assert torch.equal(pow2_at_least(above), powers[1:])
+    inf, nan = pow2_at_least(torch.tensor([float("inf"), float("nan")], dtype=dtype, device=device))
+    assert inf == float("inf") and nan.isnan()
 
 
 @pytest.mark.parametrize("magnitude", [1e-30, 1e-37, 1e-40, 1e-44], ids=str)
