@@ -360,9 +360,11 @@ ROTATE_STAGES = 2
 # 76.2 with whole tiles, 4 a program, 2 stages (68.9 at 3 stages, 82-83 in the first round; 92 in chunks of 64); K
 # centred 92.2 / 85.3. The FP8 forward's GPU time: 846-851 -> 833-835 us, causal 618-620 -> 603. Twenty-first
 # session (GPU time, CUDA graphs): Q 71.5 -> 70.0 at 2 stages, 61.8 at 3; K centred 80.3 -> 65.0 (3 stages take
-# 258 KB there, over the 227 KB an SM has).
+# 258 KB there, over the 227 KB an SM has). Since K is centred after the rotation (its tiles enter the matmul as
+# loaded, as Q's), the centred kernel fits 3 stages too: the FP8 forward's three quantisations at (4, 8, 4096, 256)
+# 168 -> 160 us (torch.profiler, two processes each; the same bytes; benchmarks/NOTES.md, twenty-fifth session).
 HALVES_LAUNCH = dict(CHUNK=128, TILES=4, num_warps=8)
-HALVES_STAGES = {False: 3, True: 2}
+HALVES_STAGES = {False: 3, True: 3}
 
 
 def rotate_method(dim: int) -> str:
