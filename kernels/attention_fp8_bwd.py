@@ -418,9 +418,10 @@ def quantize_do_and_delta(do: torch.Tensor, out: torch.Tensor, dlse: torch.Tenso
     scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=do.device, dtype=torch.float32)
     delta = torch.empty((batch, heads, seq), device=do.device, dtype=torch.float32)
     block_d = configs.block_d(head_dim)
+    dlse_arg = delta if dlse is None else dlse.contiguous()  # without dlse any pointer: HAS_DLSE leaves it unread
     launch_kernel(
         fp8_bwd_quantize_do_kernel, (configs.cdiv(seq, block_n), heads, batch),
-        do, out, delta if dlse is None else dlse.contiguous(), do8, do8_t, scales, delta,
+        do, out, dlse_arg, do8, do8_t, scales, delta,
         *do.stride(), *out.stride(), *do8.stride(), *do8_t.stride(), seq,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=quant_chunk(block_n, block_d),
         HAS_DLSE=dlse is not None, SECOND_COPY=sixteen_bit)
