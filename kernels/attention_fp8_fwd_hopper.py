@@ -15,9 +15,9 @@ applies anyway), and the epilogue multiplies by the last tile's scale. The tile 
 (``fp8_quant``), so the ratio and the products with it are exact; what changes is the rounding of the sum,
 which the tensor core carries between blocks with its own FP8 accumulation precision (on the H200: outputs
 within 4e-3 of the Triton kernel's in bf16 units, the same error against float64 to 4 digits; the LSE
-bit-identical). The accumulator stays finite while the V tile scales of one (batch, head) span less than about
-2^90. The separate-tile form in this schedule ran at 0.86-0.99x its throughput at head_dim 128 on the H200
-(benchmarks/NOTES.md).
+bit-identical). The units are at least 2^-60 of the largest V tile scale before them (``V_SCALE_SPAN``; an
+all-zero tile's scale is 0), so the accumulator never grows by more than 2^60. The separate-tile form in this
+schedule ran at 0.86-0.99x its throughput at head_dim 128 on the H200 (benchmarks/NOTES.md).
 
 P goes from the scores' accumulator registers to the A operand of P V without moving between threads. An FP8
 wgmma's accumulator gives thread t of a quad the columns 8c + 2t + {0, 1} of each 32, but its A operand takes
@@ -62,6 +62,7 @@ from .attention_fwd import LOG2E
 from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _masked_scores, _pass_turn, _start_q_load,
                                    _unmasked_blocks, _wait_turn, ensure_scratch_allocator)
 from .configs import cdiv, fp8_hopper_fwd_meta
+from .fp8_quant import MIN_SCALE
 from .launch import launch_kernel
 
 LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
@@ -70,6 +71,12 @@ LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, a
 # within 65536 * c + 9, below float16's 65504 for c < 0.9994
 F16_C_MAX = gl.constexpr(0.99)
 BLOCK_M = 128  # query rows per CTA: one Q scale tile, two softmax warpgroups
+# The accumulator is kept in units of the current V tile's scale, but never below V_SCALE_SPAN times the largest
+# scale before it (nor below MIN_SCALE: an all-zero tile's scale is 0). Units of a tile of 2^-126 after one of 2^-6
+# multiplied the accumulator (up to ~2^17) by 2^120: an infinite output. With the floor it grows by 2^60 at most;
+# a tile below the floor is summed in the floor's units, which overstates its values by floor / scale, but what it
+# adds stays below ~2^-60 of the largest tile's values (448 * floor), as if those tiny values were ~2^-60 of them.
+V_SCALE_SPAN = gl.constexpr(2.0 ** -60)
 
 
 @gluon.jit
@@ -217,15 +224,23 @@ def _unpack_e4m3(x, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS,
-                       kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
+def _v_units(vs, vs_max):
+    """The accumulator's units for a V tile of scale ``vs`` (0 for an all-zero tile) after tiles of scales up to
+    ``vs_max``: vs, but at least vs_max * V_SCALE_SPAN and MIN_SCALE (see V_SCALE_SPAN)."""
+    return gl.maximum(gl.maximum(vs, vs_max * V_SCALE_SPAN), MIN_SCALE)
+
+
+@gluon.jit
+def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem, vt_smem, ready, empty, rows, KS,
+                       VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
                        CAUSAL: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, KV_TILE: gl.constexpr,
                        F16_SCORES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr):
     """Key blocks [lo, hi). Step j: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together, the softmax of
     S_j under the latter, slot j - 1 handed back, then acc rescaled for m_j and to V tile j's units. Returns
-    the state after block hi - 1 (p: its P448 packed as e4m3, not yet times V; vs_prev: its V tile's scale)."""
+    the state after block hi - 1 (p: its P448 packed as e4m3, not yet times V; vs_prev: acc's units, those of its
+    V tile; vs_max: the largest V tile scale so far)."""
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], _scores_dtype(F16_SCORES), layout=s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     for j in range(lo, hi):
@@ -261,10 +276,13 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_sme
         else:
             p = _pack_e4m3(p, BLOCK_N)
         mbarrier.arrive(empty.index(prev), count=1)
-        # to units of V tile j's scale, rescaled for m_j: both factors per row, the ratio exact (powers of two)
-        acc = acc * gl.convert_layout(alpha * (vs_prev / vs), row_o)[:, None]
-        vs_prev = vs
-    return p, m_i, l_i, acc, vs_prev
+        # to the units of V tile j (its scale, at least V_SCALE_SPAN of the largest so far), rescaled for m_j:
+        # both factors per row, the ratio exact (powers of two)
+        units = _v_units(vs, vs_max)
+        acc = acc * gl.convert_layout(alpha * (vs_prev / units), row_o)[:, None]
+        vs_prev = units
+        vs_max = gl.maximum(vs_max, vs)
+    return p, m_i, l_i, acc, vs_prev, vs_max
 
 
 @gluon.jit
@@ -274,10 +292,11 @@ def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_
                     KV_TILE: gl.constexpr, F16_SCORES: gl.constexpr, s_layout: gl.constexpr,
                     o_layout: gl.constexpr, p_layout: gl.constexpr):
     """All key blocks of one softmax warpgroup, the scores summed in float16 (F16_SCORES) or fp32: returns the
-    final (row max, row sum, acc, the last V tile's scale), acc in units of that scale."""
+    final (row max, row sum, acc, acc's units: the last V tile's, ``_v_units``)."""
     # block 0: scores and softmax only; its P V product is issued with block 1's scores
     c = q_scale * gl.load(KS + kv_tile0) * qk_scale
-    vs_prev = gl.load(VS + kv_tile0)
+    vs_max = gl.load(VS + kv_tile0)
+    vs_prev = _v_units(vs_max, vs_max)
     mbarrier.wait(ready.index(0), 0)
     _wait_turn(0, WG, PINGPONG)
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], _scores_dtype(F16_SCORES), layout=s_layout)
@@ -303,12 +322,12 @@ def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_
                                                s_layout, p_layout, BLOCK_N)
         p = _pack_e4m3(p, BLOCK_N)
     # stage 1: off-band, no mask; stage 2: on-band, masked
-    p, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
-        1, n_free, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS, kv_tile0,
+    p, m_i, l_i, acc, vs_prev, vs_max = _fp8_attend_blocks(
+        1, n_free, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS, kv_tile0,
         q_scale, n_blocks, seq_k, causal_offset, qk_scale, False, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N,
         KV_TILE, F16_SCORES, s_layout, o_layout, p_layout)
-    p, m_i, l_i, acc, vs_prev = _fp8_attend_blocks(
-        gl.maximum(n_free, 1), n_blocks, p, m_i, l_i, acc, vs_prev, q_smem, k_smem, vt_smem, ready, empty, rows,
+    p, m_i, l_i, acc, vs_prev, vs_max = _fp8_attend_blocks(
+        gl.maximum(n_free, 1), n_blocks, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem, vt_smem, ready, empty, rows,
         KS, VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, True, CAUSAL, WG, CONSUMERS, PINGPONG,
         STAGES, BLOCK_N, KV_TILE, F16_SCORES, s_layout, o_layout, p_layout)
     last = (n_blocks - 1) % STAGES
@@ -362,7 +381,7 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
             seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N, KV_TILE, False,
             s_layout, o_layout, p_layout)
 
-    # acc is in units of the last V tile's scale; the 448 of P448 cancels against l's
+    # acc is in units of the last V tile (_v_units); the 448 of P448 cancels against l's
     out = acc * gl.convert_layout(vs_prev / l_i, row_o)[:, None]
     rows_o = start_m + gl.arange(0, WG_ROWS, layout=row_o)
     cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))

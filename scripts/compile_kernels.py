@@ -204,7 +204,7 @@ def fp8_jobs(dtype="bf16", target_arch=90):
             for centre in (False, True):  # Q and K for the FP8 Hopper forward's float16 scores
                 yield quantize_job(f"{' centred' if centre else ''} rotated to {configs.FP8_SCORES_AMAX}", True,
                                    centre, amax_to=configs.FP8_SCORES_AMAX)
-        yield quantize_job(" mma key order", False, False, mma_key_order=True)  # V for the Hopper forward
+        yield quantize_job(" mma key order zero-scale", False, False, zero=True, mma_key_order=True)  # V, Hopper fwd
         yield (f"fp8 dequantize D={head_dim}", fp8_dequantize_kernel,  # fp8="forward"'s backward: Q and K
                {"Q": fp8, "S": "*fp32", "OUT": f"*{dtype}"},
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128,

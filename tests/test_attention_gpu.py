@@ -470,6 +470,29 @@ def test_fp8_hopper_forward_f16_scores_at_extreme_magnitudes(magnitude, causal, 
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [128, 256], ids=str)
+@pytest.mark.parametrize("tiles", [(1, 1, 1e-37, 1e-37), (1e-37, 1, 1e-37, 1), (1, 1e-30, 1, 0), (0, 1e-20, 0, 1e-20),
+                                   (0, 0, 1, 1)], ids=str)
+def test_fp8_hopper_forward_v_tiles_of_scales_far_apart(tiles, head_dim, causal, monkeypatch):
+    """V's key tiles (128 keys each) times the given factors, so their scales span up to 2^120 (a tile of 1e-37
+    after a tile of N(0, 1)) or include all-zero tiles (scale 0): the FP8 Hopper forward's accumulator keeps its
+    units within 2^60 of the largest V tile scale so far (``V_SCALE_SPAN``; units of 2^-126 after 2^-6 made the
+    output infinite), and the output is finite and as close to float64 attention as the Triton FP8 kernel's
+    (within 10%, +1e-3), also for a head of V ~1e-20 with all-zero tiles."""
+    torch.manual_seed(13)
+    q, k = (randn(1, 2, 512, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    factors = torch.tensor(tiles, device="cuda", dtype=torch.float64).repeat_interleave(128)[:, None]
+    v = (randn(1, 2, 512, head_dim, dtype=torch.float64) * factors).bfloat16()
+    launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
+    (out, lse), (ref_out, ref_lse) = fp8_forward_both_ways(q, k, v, causal)
+    assert len(launches) == 1 and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    exact = attention_ref(q.double(), k.double(), v.double(), causal=causal)[0]
+    assert rel_error(out, exact) <= 1.1 * rel_error(ref_out, exact) + 1e-3, (rel_error(out, exact),
+                                                                             rel_error(ref_out, exact))
+
+
+@needs_hopper
 def test_fp8_hopper_forward_strided_views_and_modes(monkeypatch):
     """The trainer's layout (q, k, v strided views of one (B, N, 3, H, D) tensor), without rotation or K
     smoothing too, and a long causal sequence; against the Triton FP8 kernel as above."""
