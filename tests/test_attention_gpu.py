@@ -389,6 +389,17 @@ def fp8_forward_both_ways(q, k, v, causal, **kwargs):
     return hopper, triton_
 
 
+def assert_fp8_hopper_forward_as_close_as_triton(q, k, v, causal, monkeypatch):
+    """fp8="forward" through the FP8 Hopper kernel (launched once): finite output and LSE, and as close to float64
+    attention as through the Triton FP8 kernel, within 10% (+1e-3)."""
+    launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
+    (out, lse), (ref_out, _) = fp8_forward_both_ways(q, k, v, causal)
+    assert len(launches) == 1 and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    exact = attention_ref(q.double(), k.double(), v.double(), causal=causal)[0]
+    assert rel_error(out, exact) <= 1.1 * rel_error(ref_out, exact) + 1e-3, (rel_error(out, exact),
+                                                                             rel_error(ref_out, exact))
+
+
 def assert_fp8_hopper_forward_agrees(out, lse, ref_out, ref_lse, head_dim):
     """The FP8 Hopper forward's (out, lse) against the Triton FP8 kernel's. Where it sums the scores in fp32 (head_dim
     256), on the same quantised operands: the same LSE bits (the softmax is the same computation) and the output
@@ -461,12 +472,7 @@ def test_fp8_hopper_forward_f16_scores_at_extreme_magnitudes(magnitude, causal, 
     torch.manual_seed(11)
     q, k, v = (randn(1, 4, 1000, 128, dtype=torch.bfloat16) for _ in range(3))
     q, k = (q * magnitude).bfloat16(), (k * magnitude).bfloat16()
-    launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
-    (out, lse), (ref_out, ref_lse) = fp8_forward_both_ways(q, k, v, causal)
-    assert len(launches) == 1 and torch.isfinite(out).all() and torch.isfinite(lse).all()
-    exact = attention_ref(q.double(), k.double(), v.double(), causal=causal)[0]
-    assert rel_error(out, exact) <= 1.1 * rel_error(ref_out, exact) + 1e-3, (rel_error(out, exact),
-                                                                             rel_error(ref_out, exact))
+    assert_fp8_hopper_forward_as_close_as_triton(q, k, v, causal, monkeypatch)
 
 
 @needs_hopper
@@ -484,12 +490,7 @@ def test_fp8_hopper_forward_v_tiles_of_scales_far_apart(tiles, head_dim, causal,
     q, k = (randn(1, 2, 512, head_dim, dtype=torch.bfloat16) for _ in range(2))
     factors = torch.tensor(tiles, device="cuda", dtype=torch.float64).repeat_interleave(128)[:, None]
     v = (randn(1, 2, 512, head_dim, dtype=torch.float64) * factors).bfloat16()
-    launches = hopper_launches(monkeypatch, "attention_fp8_fwd_hopper")
-    (out, lse), (ref_out, ref_lse) = fp8_forward_both_ways(q, k, v, causal)
-    assert len(launches) == 1 and torch.isfinite(out).all() and torch.isfinite(lse).all()
-    exact = attention_ref(q.double(), k.double(), v.double(), causal=causal)[0]
-    assert rel_error(out, exact) <= 1.1 * rel_error(ref_out, exact) + 1e-3, (rel_error(out, exact),
-                                                                             rel_error(ref_out, exact))
+    assert_fp8_hopper_forward_as_close_as_triton(q, k, v, causal, monkeypatch)
 
 
 @needs_hopper
