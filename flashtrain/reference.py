@@ -65,7 +65,7 @@ def fp8_quantize_ref(x: torch.Tensor, block_n: int, amax_to: float = 448.0):
     padded[:, :, :seq] = x.float()
     padded = padded.view(batch, heads, tiles, block_n, head_dim)
     amax = torch.where(padded.isnan(), 0.0, padded.abs()).amax(dim=(-1, -2))  # (B, H, tiles)
-    scales = torch.where(amax > 0, pow2_at_least((amax / amax_to).clamp_min(MIN_SCALE.value)), torch.ones_like(amax))
+    scales = _pow2_scales(amax, amax_to, empty_tile_scale=1.0)
     q = (padded / scales[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(batch, heads, tiles * block_n, head_dim)[:, :, :seq], scales
 
@@ -186,9 +186,11 @@ def _tile_quantize(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return _e4m3_round_trip(tiles, scale).flatten(-4, -3).flatten(-2, -1)[..., :m, :n]
 
 
-def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448, at least ``MIN_SCALE``, rounded up to a power of two (``pow2_at_least``); 0 where amax is 0."""
-    return torch.where(amax > 0, pow2_at_least((amax / 448.0).clamp_min(MIN_SCALE.value)), torch.zeros_like(amax))
+def _pow2_scales(amax: torch.Tensor, amax_to: float = 448.0, empty_tile_scale: float = 0.0) -> torch.Tensor:
+    """amax / amax_to, at least ``MIN_SCALE``, rounded up to a power of two (``pow2_at_least``);
+    ``empty_tile_scale`` where amax is 0 (the kernels' ``_tile_scale``, and ``fp8_quantize``'s argument)."""
+    scales = pow2_at_least((amax / amax_to).clamp_min(MIN_SCALE.value))
+    return torch.where(amax > 0, scales, torch.full_like(amax, empty_tile_scale))
 
 
 def _empty_tiles_zero(x: torch.Tensor, block: int) -> torch.Tensor:
