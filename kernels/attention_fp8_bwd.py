@@ -46,8 +46,8 @@ import triton.language as tl
 from . import configs
 from .attention_bwd import _dkdv_query_range
 from .attention_fwd import LOG2E, _load_rows, _query_block_key_range, split_scale
-from .fp8_quant import (MIN_SCALE, SOFTWARE_ROUNDING, _quantize_with_pow2_scale, _store_copies, _tile_scale, _to_e4m3,
-                        fp8_quantize, quant_chunk)
+from .fp8_quant import (MIN_SCALE, SOFTWARE_ROUNDING, _chunked_amax, _prepared_rows, _quantize_with_pow2_scale,
+                        _store_copies, _tile_scale, _to_e4m3, fp8_quantize, quant_chunk)
 from .hadamard import _inverse_rotation
 from .launch import launch_kernel
 
@@ -340,15 +340,15 @@ def attention_fp8_bwd_dq_kernel(
 
 
 @triton.jit
-def _quantize_do_rows(do_base, o_base, q_base, t_base, DLSE, DELTA, head, rows, scale, seq, stride_don, stride_dod,
+def _quantize_do_rows(DO, do_offset, o_base, q_base, t_base, DLSE, DELTA, head, rows, scale, seq, stride_don, stride_dod,
                       stride_on, stride_od, stride_qn, stride_qd, stride_tn, stride_td,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_DLSE: tl.constexpr,
                       SECOND_COPY: tl.constexpr):
     """dO's rows ``rows`` in e4m3 with the tile's ``scale`` (stored in both layouts if SECOND_COPY), and their delta:
     the dequantised rows (the dO8 of dP = dO8 V8^T) dotted with O's, in fp32, minus dlse if HAS_DLSE."""
     offs_d = tl.arange(0, BLOCK_D)
-    x = _load_rows(do_base + rows[:, None] * stride_don + offs_d[None, :] * stride_dod, rows, seq, offs_d, HEAD_DIM,
-                   BLOCK_D, True).to(tl.float32)
+    # read as the tile's amax read them (``_chunked_amax``): the compiler then loads a tile of one chunk once
+    x = _prepared_rows(DO, DO, do_offset, 0, rows, seq, stride_don, stride_dod, HEAD_DIM, BLOCK_D, False).to(tl.float32)
     q = _quantize_with_pow2_scale(x, scale)
     _store_copies(q_base, t_base, q, rows, seq, stride_qn, stride_qd, stride_tn, stride_td, CHUNK, BLOCK_D, HEAD_DIM,
                   False, SECOND_COPY)
@@ -381,21 +381,17 @@ def fp8_bwd_quantize_do_kernel(
     CHUNK rows is read twice, chunk by chunk, for its amax and then to quantise."""
     tile, off_h, off_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
-    do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    do_offset = off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
     o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
     t_base = QT + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
-    offs_d = tl.arange(0, BLOCK_D)
-    amax = 0.0
-    for c in tl.static_range(0, BLOCK_N, CHUNK):
-        rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
-        x = _load_rows(do_base + rows[:, None] * stride_don + offs_d[None, :] * stride_dod, rows, seq, offs_d,
-                       HEAD_DIM, BLOCK_D, True).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
+    # dO's rows as fp8_quantize reads them without centring or rotation (those operands unused: placeholders)
+    amax = _chunked_amax(DO, DO, 0.0, 0.0, 0.0, do_offset, 0, tile, seq, stride_don, stride_dod, 0.0, 0.0, HEAD_DIM,
+                         BLOCK_D, BLOCK_N, CHUNK, False, False, "", "")
     scale = _tile_scale(amax, True)
     for c in tl.static_range(0, BLOCK_N, CHUNK):
         rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
-        _quantize_do_rows(do_base, o_base, q_base, t_base, DLSE, DELTA, head, rows, scale, seq, stride_don,
+        _quantize_do_rows(DO, do_offset, o_base, q_base, t_base, DLSE, DELTA, head, rows, scale, seq, stride_don,
                           stride_dod, stride_on, stride_od, stride_qn, stride_qd, stride_tn, stride_td, HEAD_DIM,
                           BLOCK_D, CHUNK, HAS_DLSE, SECOND_COPY)
     tl.store(S + head * tl.num_programs(0) + tile, tl.where(amax > 0.0, scale, 0.0))  # an all-zero tile: 0

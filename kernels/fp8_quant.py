@@ -220,6 +220,21 @@ def _quant_rows(X, centring, signs, h_lo, h_hi, x_base, mean_base, rows, seq, st
 
 
 @triton.jit
+def _chunked_amax(X, centring, signs, h_lo, h_hi, x_base, mean_base, tile, seq, stride_xn, stride_xd, norm, norm_lo,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                  CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The largest magnitude of tile ``tile`` (rows [tile * BLOCK_N, + BLOCK_N)) as ``_quant_rows`` gives its rows,
+    read CHUNK rows at a time: the first of the two reads of a tile too large for the registers."""
+    amax = 0.0
+    for c in tl.static_range(0, BLOCK_N, CHUNK):
+        rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
+        x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm,
+                        norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
+    return amax
+
+
+@triton.jit
 def _store_rows(q_base, q, rows, store_rows, stride_qn, stride_qd, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
                 OUT_DIM: tl.constexpr, MMA_KEY_ORDER: tl.constexpr):
     """Store the e4m3 rows q (CHUNK, BLOCK_D) of one tile at rows ``rows``: those < store_rows, columns < OUT_DIM;
@@ -261,12 +276,8 @@ def _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, he
         _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
                       BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
     else:
-        amax = 0.0
-        for c in tl.static_range(0, BLOCK_N, CHUNK):
-            rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd,
-                            norm, norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
-            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
+        amax = _chunked_amax(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, tile, seq, stride_xn, stride_xd,
+                             norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
         scale = _tile_scale(amax, True, AMAX_TO)
         for c in tl.static_range(0, BLOCK_N, CHUNK):
             rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
