@@ -340,8 +340,8 @@ def attention_fp8_bwd_dq_kernel(
 
 
 @triton.jit
-def _quantize_do_rows(DO, do_offset, o_base, q_base, t_base, DLSE, DELTA, head, rows, scale, seq, stride_don, stride_dod,
-                      stride_on, stride_od, stride_qn, stride_qd, stride_tn, stride_td,
+def _quantize_do_rows(DO, do_offset, o_base, q_base, t_base, DLSE, DELTA, head, rows, scale, seq, stride_don,
+                      stride_dod, stride_on, stride_od, stride_qn, stride_qd, stride_tn, stride_td,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_DLSE: tl.constexpr,
                       SECOND_COPY: tl.constexpr):
     """dO's rows ``rows`` in e4m3 with the tile's ``scale`` (stored in both layouts if SECOND_COPY), and their delta:
