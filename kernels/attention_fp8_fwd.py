@@ -181,7 +181,8 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
         return out, lse, quantized
     if hopper:
         # V^T with its keys in the Hopper kernel's P order: (B, H_kv, D, cdiv(N_k, 32) * 32); an all-zero tile's
-        # scale 0, which that kernel skips (its accumulator's units stay those of the last tile with values)
+        # scale 0, so that it never raises the largest V scale that kernel keeps its units within 2^60 of
+        # (V_SCALE_SPAN); its own units are then that bound's
         vt8, v_scales = fp8_quantize(v, block_n, transposed=True, mma_key_order=True, empty_tile_scale=0.0)
         hopper_module("attention_fp8_fwd_hopper").attention_fp8_fwd_hopper(
             q8, q_scales, k8, k_scales, vt8, v_scales, out, lse, causal, scale, block_n)
