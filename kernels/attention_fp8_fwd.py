@@ -25,10 +25,19 @@ import triton.language as tl
 from . import configs
 from .attention_fwd import (LOG2E, _load_rows, _query_block_key_range, _visible, allocate_outputs, hopper_device_ready,
                             hopper_mode_allows, hopper_module)
-from .fp8_quant import E4M3_MAX, _to_e4m3, fp8_quantize, quantize_scores_operands
+from .fp8_quant import E4M3_MAX, MIN_SCALE, _to_e4m3, fp8_quantize, quantize_scores_operands
 from .launch import launch_kernel
 
 LOG2_448 = tl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
+
+
+@triton.jit
+def _positive_score_scale(c):
+    """c = q_scale * k_scale * qk_scale for qk_scale > 0, at least 2^-126 (``MIN_SCALE``). Tiles of Q and K both
+    below ~1e-20 in magnitude make the product underflow to 0 in fp32, and a masked score (-inf) times 0 is NaN.
+    Where c is that small every |Q8 K8^T| * c is below 448^2 * 256 * 2^-126 < 2^-100, as with the true c: the same
+    probabilities in fp32."""
+    return tl.maximum(c, MIN_SCALE)
 
 
 @triton.jit
@@ -55,6 +64,8 @@ def _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base
         # row max is taken on the raw product and c is applied inside the exponent's FMA below; a scale <= 0
         # (SCALE_EARLY) multiplies first.
         c = q_scale * tl.load(ks_base + tile) * qk_scale
+        if not SCALE_EARLY:
+            c = _positive_score_scale(c)
         s = tl.dot(q, tl.trans(k))
         if SCALE_EARLY:
             s = s * c

@@ -224,6 +224,13 @@ def _unpack_e4m3(x, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _positive_score_scale(c):
+    """``attention_fp8_fwd._positive_score_scale``: c at least 2^-126, so that a masked score (-inf) times c is not
+    NaN where Q's and K's tile scales underflow their product (the float16 scores also hold c >= 2^-24)."""
+    return gl.maximum(c, MIN_SCALE)
+
+
+@gluon.jit
 def _v_units(vs, vs_max):
     """The accumulator's units for a V tile of scale ``vs`` (0 for an all-zero tile) after tiles of scales up to
     ``vs_max``: vs, but at least vs_max * V_SCALE_SPAN and MIN_SCALE (see V_SCALE_SPAN)."""
@@ -247,7 +254,7 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem
         slot = j % STAGES
         prev = (j - 1) % STAGES
         tile = kv_tile0 + (j * BLOCK_N) // KV_TILE
-        c = q_scale * gl.load(KS + tile) * qk_scale
+        c = _positive_score_scale(q_scale * gl.load(KS + tile) * qk_scale)
         vs = gl.load(VS + tile)
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         _wait_turn(j, WG, PINGPONG)
@@ -294,7 +301,7 @@ def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_
     """All key blocks of one softmax warpgroup, the scores summed in float16 (F16_SCORES) or fp32: returns the
     final (row max, row sum, acc, acc's units: the last V tile's, ``_v_units``)."""
     # block 0: scores and softmax only; its P V product is issued with block 1's scores
-    c = q_scale * gl.load(KS + kv_tile0) * qk_scale
+    c = _positive_score_scale(q_scale * gl.load(KS + kv_tile0) * qk_scale)
     vs_max = gl.load(VS + kv_tile0)
     vs_prev = _v_units(vs_max, vs_max)
     mbarrier.wait(ready.index(0), 0)

@@ -246,6 +246,31 @@ def test_full_backward_with_scales_below_fp32_normal_range(sharpness, dout_scale
             assert rel_error(g, e) < 0.1, name
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("magnitude", [1e-21, 1e-30, 1e-37], ids=str)
+def test_scores_scale_below_fp32_range(magnitude, causal, device):
+    """Q and K both of this magnitude: their tile scales' product with the softmax scale underflows fp32, and a
+    masked score (-inf; the ragged tail, the causal mask) times that 0 was NaN, so was the whole output. The
+    scores' scale is now at least 2^-126 (the scores stay below 2^-100: the same probabilities). Output and
+    gradients finite; the output as close to exact attention as the float64 simulation of the scheme, the
+    gradients of fp8="full" as in test_full_backward. float32 inputs (16-bit ones cannot hold 1e-37 or 1e-30)."""
+    shape = (1, 2, 1, 37, 45, 40)
+    q, k, v = make(shape, device, dtype=torch.float32)
+    q, k = q * magnitude, k * magnitude
+    out = flash_attention(q, k, v, causal=causal, fp8="forward")
+    exact = attention_ref(q.double(), k.double(), v.double(), causal=causal)[0]
+    sim = simulated(q, k, v, causal, hadamard=True)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, exact) <= 1.1 * rel_error(sim, exact) + 1e-3, (rel_error(out, exact), rel_error(sim, exact))
+    dout = make(shape, device, dtype=torch.float32, seed=1)[0]
+    grads, sim_grads, exact_grads = full_backward_and_references(q, k, v, dout, causal=causal)
+    for name, g, s, e in zip(("dq", "dk", "dv"), grads, sim_grads, exact_grads):
+        assert torch.isfinite(g).all(), name
+        assert rel_error(g, s) < (2e-2 if device == "cuda" else 2e-3), name
+        assert rel_error(g, e) < 0.1, name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["forward", "full"])
 @pytest.mark.parametrize("where", ["q", "k", "v"])

@@ -494,6 +494,21 @@ def test_fp8_hopper_forward_v_tiles_of_scales_far_apart(tiles, head_dim, causal,
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [128, 256], ids=str)
+@pytest.mark.parametrize("magnitude", [1e-21, 1e-30], ids=str)
+def test_fp8_hopper_forward_scores_scale_below_fp32_range(magnitude, head_dim, causal, monkeypatch):
+    """tests/test_attention_fp8.py's test_scores_scale_below_fp32_range through the FP8 Hopper kernel (bf16, a
+    ragged 1000 keys): Q and K this small make c = q_scale * k_scale * qk_scale underflow fp32, and a masked score
+    times 0 was NaN in the fp32 scores (head_dim 256; the float16 scores held c >= 2^-24 already). Finite, and as
+    close to float64 attention as the Triton FP8 kernel."""
+    torch.manual_seed(17)
+    q, k = ((randn(1, 2, 1000, head_dim, dtype=torch.float64) * magnitude).bfloat16() for _ in range(2))
+    v = randn(1, 2, 1000, head_dim, dtype=torch.bfloat16)
+    assert_fp8_hopper_forward_as_close_as_triton(q, k, v, causal, monkeypatch)
+
+
+@needs_hopper
 def test_fp8_hopper_forward_strided_views_and_modes(monkeypatch):
     """The trainer's layout (q, k, v strided views of one (B, N, 3, H, D) tensor), without rotation or K
     smoothing too, and a long causal sequence; against the Triton FP8 kernel as above."""
