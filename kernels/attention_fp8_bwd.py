@@ -47,7 +47,7 @@ from . import configs
 from .attention_bwd import _dkdv_query_range
 from .attention_fwd import LOG2E, _load_rows, _query_block_key_range, split_scale
 from .fp8_quant import (MIN_SCALE, SOFTWARE_ROUNDING, _chunked_amax, _prepared_rows, _quantize_with_pow2_scale,
-                        _store_copies, _tile_scale, _to_e4m3, fp8_quantize, quant_chunk)
+                        _store_copies, _tile_scale, _to_e4m3, fp8_quantize, quant_chunk, transposed_e4m3)
 from .hadamard import _inverse_rotation
 from .launch import launch_kernel
 
@@ -405,12 +405,7 @@ def quantize_do_and_delta(do: torch.Tensor, out: torch.Tensor, dlse: torch.Tenso
     batch, heads, seq, head_dim = do.shape
     sixteen_bit = do.dtype in (torch.float16, torch.bfloat16)
     do8 = torch.empty((batch, heads, seq, head_dim), device=do.device, dtype=torch.float8_e4m3fn)
-    if sixteen_bit:  # (B, H, D, row stride) with a row stride of a multiple of 16 bytes (TMA), viewed (B, H, N, D)
-        padded = torch.empty((batch, heads, head_dim, configs.cdiv(seq, 16) * 16), device=do.device,
-                             dtype=torch.float8_e4m3fn)
-        do8_t = padded[..., :seq].transpose(2, 3)
-    else:
-        do8_t = do8
+    do8_t = transposed_e4m3(batch, heads, seq, head_dim, do.device) if sixteen_bit else do8
     scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=do.device, dtype=torch.float32)
     delta = torch.empty((batch, heads, seq), device=do.device, dtype=torch.float32)
     block_d = configs.block_d(head_dim)

@@ -416,6 +416,13 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
                 num_stages=ROTATE_STAGES if tiles > 1 else 3)
 
 
+def transposed_e4m3(batch: int, heads: int, rows: int, dim: int, device) -> torch.Tensor:
+    """An uninitialised e4m3 (B, H, rows, dim) tensor whose rows are contiguous: the view of a (B, H, dim, row
+    stride) buffer, the row stride ``rows`` rounded up to a multiple of 16 (bytes: the layout TMA loads)."""
+    padded = torch.empty((batch, heads, dim, configs.cdiv(rows, 16) * 16), device=device, dtype=torch.float8_e4m3fn)
+    return padded[..., :rows].transpose(2, 3)
+
+
 @configs.on_input_device
 def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = None,
                  signs: torch.Tensor | None = None, transposed: bool = False, empty_tile_scale: float = 1.0,
@@ -476,16 +483,11 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
                              f"head_dim {head_dim}")
     store_rows = configs.cdiv(seq, 32) * 32 if mma_key_order else seq
 
-    def transposed_buffer():  # (B, H, rows, D') viewed from (B, H, D', row stride), rows contiguous
-        row_stride = store_rows if mma_key_order else configs.cdiv(seq, 16) * 16  # a multiple of 16 bytes
-        padded = torch.empty((batch, heads, out_dim, row_stride), device=x.device, dtype=torch.float8_e4m3fn)
-        return padded[..., :store_rows].transpose(2, 3)
-
     if transposed:
-        q = transposed_buffer()
+        q = transposed_e4m3(batch, heads, store_rows, out_dim, x.device)
     else:
         q = torch.empty((batch, heads, seq, out_dim), device=x.device, dtype=torch.float8_e4m3fn)
-    q_t = transposed_buffer() if with_transposed else q
+    q_t = transposed_e4m3(batch, heads, store_rows, out_dim, x.device) if with_transposed else q
     scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=x.device, dtype=torch.float32)
     if q.numel():
         rotate = signs is not None
