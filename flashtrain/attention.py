@@ -22,6 +22,7 @@ from torch import Tensor
 
 from flashtrain.kernels import INTERPRET, attention_bwd, attention_fwd, lse_dtype
 from flashtrain.kernels.attention_fwd import LOG2E
+from flashtrain.kernels.configs import device_capability
 
 LN2 = math.log(2.0)
 
@@ -193,10 +194,10 @@ def _check_fp8(q, key_padding_mask, dropout_p, fp8, hadamard, smooth_k) -> None:
     if key_padding_mask is not None or dropout_p:
         raise ValueError(f"flash_attention: fp8={fp8!r} does not support key_padding_mask or dropout_p yet; "
                          "use fp8=None for them")
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
+    if q.device.type == "cuda" and device_capability(q.device) < (8, 9):
         raise ValueError(f"flash_attention: fp8={fp8!r} needs FP8 tensor cores (compute capability 8.9+); "
                          f"{torch.cuda.get_device_name(q.device)} has "
-                         f"{'.'.join(map(str, torch.cuda.get_device_capability(q.device)))}")
+                         f"{'.'.join(map(str, device_capability(q.device)))}")
 
 
 def _check_padding_and_dropout(q, k, key_padding_mask, dropout_p) -> None:

@@ -40,9 +40,11 @@ from . import configs
 LOG2E = 1.4426950408889634  # 1/ln(2): e^x = 2^(x * log2(e))
 
 
+@functools.lru_cache(maxsize=256)
 def split_scale(scale: float) -> tuple[float, float]:
     """(hi, lo) float32 pair with hi + lo = scale to ~2^-48: Triton passes every Python float to a kernel
-    as float32, so fp64 kernels rebuild an fp64 scale from the pair (see ``_scale``)."""
+    as float32, so fp64 kernels rebuild an fp64 scale from the pair (see ``_scale``). Cached: a launch's host
+    time, and a few scales recur."""
     hi = float(np.float32(scale))
     return hi, float(np.float32(scale - hi))
 
@@ -334,7 +336,7 @@ def hopper_device_ready(tensors: tuple[torch.Tensor, ...], module: str, device: 
     if not all(_tma_addressable(t) for t in tensors):
         return False
     device = tensors[0].device if device is None else device
-    return torch.cuda.get_device_capability(device) == (9, 0) and hopper_module(module) is not None
+    return configs.device_capability(device) == (9, 0) and hopper_module(module) is not None
 
 
 def _tma_addressable(t: torch.Tensor) -> bool:

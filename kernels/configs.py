@@ -75,6 +75,13 @@ def launch_device(t: torch.Tensor):
     return torch.cuda.device(t.device)
 
 
+@functools.cache
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, asked once per device: the query costs a few microseconds of
+    host time, and the FP8 op asked it three times a call."""
+    return torch.cuda.get_device_capability(device)
+
+
 def on_input_device(launcher):
     """Decorator for a launcher: run it in ``launch_device`` of its first tensor argument."""
     @functools.wraps(launcher)
