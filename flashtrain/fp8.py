@@ -48,7 +48,9 @@ Numerics:
 * Forward (``flashtrain.kernels.attention_fp8_fwd``): Q (rotated), K (rotated) and V are quantised per
   tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is quantised straight into its
   transposed layout (K-major, the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T
-  accumulates in fp32 and is scaled once by q_scale * k_scale * softmax_scale * log2(e). The online softmax
+  accumulates in fp32 and is scaled once by c = q_scale * k_scale * softmax_scale * log2(e), held at >= 2^-126
+  (with Q and K both below ~1e-20 the product underflows fp32, and a masked score times 0 would be NaN; there
+  every |Q8 K8^T| times 2^-126 is below 2^-100, as with the true c: the same probabilities). The online softmax
   runs in fp32. P = exp2(S - running max), in [0, 1], is rounded to e4m3 with the fixed scale 448 (1 -> 448)
   for P8 V8, whose fp32 product is scaled by v_scale / 448; the row sum is of the unrounded P. Output = acc /
   rowsum, cast to the input dtype; the LSE (fp32) is saved. On sm_90 at head_dim 128 and 256 (where measured
