@@ -311,14 +311,17 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_with(full_bwd, forward_bwd, ctx, dout, dlse2):
     """fp8="forward": the 16-bit backward kernels on the forward's scores (``forward_bwd``); fp8="full": the FP8
-    kernels (``full_bwd``). Each is the custom op (compiled graphs) or its plain function (eager mode)."""
+    kernels (``full_bwd``). Each is the custom op (compiled graphs) or its plain function (eager mode). ``dout``
+    None: only the LSE was used (eager mode sends None for an output without a gradient)."""
     dlse = kernel_dlse(dlse2)
     if ctx.fp8_backward:
         q, k, v, out, lse2, k_mean = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = full_bwd(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate, ctx.smooth_k,
                               k_mean)
     else:
         q8, q_scales, k8, k_scales, v, out, lse2 = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = forward_bwd(dout, q8, q_scales, k8, k_scales, v, out, lse2, dlse, ctx.causal, ctx.scale,
                                  ctx.rotate, *ctx.tiles, ctx.smooth_k)
     return dq, dk, dv, None, None, None, None, None
@@ -340,6 +343,10 @@ class _EagerFP8Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, rotate, fp8_backward, smooth_k):
         output = _fp8_fwd(q, k, v, causal, scale, rotate, fp8_backward, smooth_k)
         _setup_context(ctx, (q, k, v, causal, scale, rotate, fp8_backward, smooth_k), output)
+        # outputs without a gradient (the quantised Q and K, k_mean, an unused LSE) send None to the backward: with
+        # autograd's default it filled a zero tensor for each, two of Q's and K's size in e4m3 (~22 us a call at
+        # (4, 16, 4096, 128) on the H200, benchmarks/results/fp8_launch_map_h200_2026-12-01.csv)
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod

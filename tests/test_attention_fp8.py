@@ -120,6 +120,20 @@ def test_forward_mode_gradients(causal, device):
         assert rel_error(g, r) < 5e-2, (name, rel_error(g, r))
 
 
+@pytest.mark.parametrize("mode", ["forward", "full"])
+def test_gradient_through_the_lse_alone(mode, device):
+    """Only the LSE used: eager mode sends the backward no output gradient (None, not a zero tensor for each output
+    without a gradient), and the gradients are those with an explicit zero output gradient."""
+    q, k, v = make((1, 2, 1, 37, 45, 24), device, requires_grad=True)
+    out, lse = flash_attention(q, k, v, causal=True, fp8=mode, return_lse=True)
+    alone = torch.autograd.grad(lse.sum(), (q, k, v), allow_unused=True)
+    out, lse = flash_attention(q, k, v, causal=True, fp8=mode, return_lse=True)
+    with_zero = torch.autograd.grad((lse.sum(), out), (q, k, v), (None, torch.zeros_like(out)))
+    assert alone[2] is None or torch.equal(alone[2], torch.zeros_like(v))
+    for a, b in zip(alone[:2], with_zero[:2]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("mode, tol", [("forward", 2e-3), ("full", 1e-2)])
 def test_backward_recomputes_the_forwards_probabilities(mode, tol, device):
     """The backward's P is the forward's: its rows sum to one under the forward's LSE. Read through dV = P^T dO:
