@@ -3,9 +3,11 @@ no_grad, every forward candidate, a CUDA-graph replay, SDPA flash), host time pe
 FP8 forward and backward against the bf16 kernels. Prints JSON lines and a summary; writes diag1.json and a
 host profile to $OUT; ``fp8acc`` measures how precisely FP8 ``tl.dot`` accumulates. Fifth session:
 ``profile16k`` (per-kernel CUDA time of gpt2-small training steps at 16k, flash against SDPA) and ``bwdtiles``
-(head_dim-64 causal tiles of the forward and of each backward kernel at 16k, cuDNN beside them). Needs a CUDA GPU.
+(head_dim-64 causal tiles of the forward and of each backward kernel at 16k, cuDNN beside them). Twenty-seventh
+session: ``launches`` (each kernel's GPU time in one forward + backward, bf16 and both FP8 modes, (4, 16, 4096,
+128)). Needs a CUDA GPU.
 
-    OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd fp8acc profile16k bwdtiles
+    OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd fp8acc profile16k bwdtiles launches
 """
 import json
 import os
@@ -292,9 +294,36 @@ if "bwdtiles" in section:
         log(sec="bwdtiles", what=f"cudnn bwd B{B} H{H}", D=D, N=N, causal=causal, ms=round(ms_b, 4),
             tf=tf(B, H, N, D, causal, ms_b, bwd=True))
 
+if "launches" in section:
+    # twenty-seventh session: each kernel's GPU time in one forward + backward (torch.profiler, 10 steps after 20),
+    # bf16 and both FP8 modes at (4, 16, 4096, 128), causal and not; autograd.grad, so no .grad accumulates
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    for causal in (True, False):
+        q, k, v = rnd(4, 16, 4096, 128, grad=True)
+        dout = torch.randn_like(q)
+        for fp8 in (None, "forward", "full"):
+            def step():
+                torch.autograd.grad(flash_attention(q, k, v, causal=causal, fp8=fp8), (q, k, v), dout)
+
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    step()
+                torch.cuda.synchronize()
+            total = 0.0
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total):
+                if e.self_device_time_total > 0:
+                    total += e.self_device_time_total / 10
+                    log(sec="launches", what=f"fp8={fp8} {e.key[:100]}", D=128, N=4096, causal=causal,
+                        calls=e.count // 10, us_per_step=round(e.self_device_time_total / 10, 1))
+            log(sec="launches", what=f"fp8={fp8} total", D=128, N=4096, causal=causal, us_per_step=round(total, 1))
+
 with open(f"{OUT}/diag1.json", "w") as fh:
     json.dump(rows, fh, indent=1)
 print("\n=== summary ===")
 for r in rows:
     print(r.get("sec"), r.get("what"), r.get("D"), r.get("N"), r.get("causal"), r.get("ms"), r.get("tf"),
-          r.get("x_bf16"), r.get("us_per_call"), r.get("error", ""))
+          r.get("x_bf16"), r.get("us_per_call"), r.get("us_per_step", ""), r.get("error", ""))
