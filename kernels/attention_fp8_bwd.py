@@ -82,6 +82,17 @@ def _settled(acc):
 
 
 @triton.jit
+def _ds_factor(q_scale, inv_unit):
+    """q_scale / unit, dK's quantisation factor per key row, at most 2^127. At the unit's floor (2^-126: a row whose
+    dS is zero or below 2^-126 / q_scale so far) the product overflows for q_scale >= 4, and a zero dS (a key no
+    query of the tile sees) times infinity was NaN: in the interpreter (whose e4m3 conversion turns NaN into
+    +-384, so the outputs stayed finite there), and by the GPU's conversion rules (cvt.rn.satfinite keeps NaN) a
+    NaN e4m3 and a NaN dK row. Clamped, such a row's dS lands in a lower binade than its unit says, an error
+    below 448 * 2^-126 * |Q8| in dK: none in practice."""
+    return tl.minimum(q_scale * inv_unit, 2.0 ** 127)
+
+
+@triton.jit
 def _row_scales(x):
     """Per row of the fp32 tile x: ``_tile_scale`` of its amax (amax / 448 up to a power of two), 0 for an
     all-zero row."""
@@ -149,7 +160,7 @@ def _attention_fp8_bwd_dkdv_inner(dk, dv, dk_unit, inv_dv_unit, k, v, k_scale, v
         unit = tl.maximum(dk_unit, tl.maximum(_row_scales(ds_t) * q_scale, MIN_SCALE))
         inv_unit = 1.0 / unit
         dk = dk * (dk_unit * inv_unit)[:, None]
-        ds8_t = _to_e4m3_sat(ds_t * (q_scale * inv_unit)[:, None])
+        ds8_t = _to_e4m3_sat(ds_t * _ds_factor(q_scale, inv_unit)[:, None])
         dk = tl.dot(ds8_t, tl.trans(q_t), dk)
         if SETTLE_DK:
             dk = _settled(dk)

@@ -205,6 +205,30 @@ def test_full_backward(shape, causal, hadamard, smooth_k, device):
         assert rel_error(g, e) < 0.1, (name, rel_error(g, e))
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_full_backward_with_large_q_tiles(causal, device):
+    """Q of magnitude 1000 (tile scales of 8 and 16): dK's quantisation factor q_scale / unit overflowed where the
+    unit sat at its floor (2^-126), and a zero dS row (a key no query of the tile sees: causal) times infinity
+    was NaN, a NaN dK row on the GPU. The interpreter's e4m3 conversion turns NaN into +-384, so there numpy is
+    asked to raise where a NaN is made. Gradients finite and equal to the float64 simulation as in
+    test_full_backward. float32 inputs."""
+    import numpy as np
+
+    shape = (1, 2, 1, 70, 83, 40)
+    q, k, v = make(shape, device, dtype=torch.float32)
+    q = (q * 1000).requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    dout = make(shape, device, dtype=torch.float32, seed=1)[0]
+    out, lse = flash_attention(q, k, v, causal=causal, fp8="full", hadamard=False, smooth_k=False, return_lse=True)
+    with np.errstate(invalid="raise"):
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=configs.fp8_bwd_tiles(83, 40), causal=causal)
+    for name, g, s_ in zip(("dq", "dk", "dv"), grads, sim):
+        assert torch.isfinite(g).all() and rel_error(g, s_) < (2e-2 if device == "cuda" else 2e-3), name
+
+
 def full_backward_and_references(q, k, v, dout, causal):
     """fp8="full" (default rotation and smoothing): the gradients of q, k, v for dout, the float64 simulation's of
     the same scheme, and exact attention's."""
