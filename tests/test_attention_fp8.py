@@ -120,6 +120,37 @@ def test_forward_mode_gradients(causal, device):
         assert rel_error(g, r) < 5e-2, (name, rel_error(g, r))
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("smooth_k, hadamard", [(True, True), (False, False), (True, False)],
+                         ids=["smooth_rotated", "plain", "smooth_unrotated"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_full_backward_reads_the_forwards_fp8(causal, smooth_k, hadamard, device, monkeypatch):
+    """fp8="full"'s backward takes the forward's FP8 Q and K (both layouts) where the forward quantised them in its
+    tiles: the gradients are bit-identical to those of the backward quantising Q and K itself (the same kernel
+    with the same arguments), and the forward's output to fp8="forward"'s (Q's all-zero tile, scale 0 for the
+    backward, gives the same scores as scale 1). GQA, a ragged tail, an all-zero Q tile, head_dim 40."""
+    from flashtrain import fp8 as fp8_module
+
+    q, k, v = make((1, 4, 2, 70, 83, 40), device, requires_grad=True)
+    q = q.detach().clone()
+    q[:, :, :32] = 0  # one all-zero Q tile (the interpreter's tiles are 32 rows)
+    q.requires_grad_()
+    dout = torch.randn_like(q)
+    kwargs = dict(causal=causal, smooth_k=smooth_k, hadamard=hadamard)
+    reads = []
+    real = fp8_module._backward_reads_forward_tiles
+    monkeypatch.setattr(fp8_module, "_backward_reads_forward_tiles", lambda *a: reads.append(real(*a)) or reads[-1])
+    out = flash_attention(q, k, v, fp8="full", **kwargs)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert reads == [True]
+    monkeypatch.setattr(fp8_module, "_backward_reads_forward_tiles", lambda *a: False)
+    out_again = flash_attention(q, k, v, fp8="full", **kwargs)
+    grads_again = torch.autograd.grad(out_again, (q, k, v), dout)
+    assert torch.equal(out, out_again) and torch.equal(out, flash_attention(q, k, v, fp8="forward", **kwargs))
+    for name, g, h in zip(("dq", "dk", "dv"), grads, grads_again):
+        assert torch.isfinite(g).all() and torch.equal(g, h), name
+
+
 @pytest.mark.parametrize("mode", ["forward", "full"])
 def test_gradient_through_the_lse_alone(mode, device):
     """Only the LSE used: eager mode sends the backward no output gradient (None, not a zero tensor for each output
@@ -148,17 +179,46 @@ def test_backward_recomputes_the_forwards_probabilities(mode, tol, device):
     assert rel_error(dv.double().sum(2), dout.double().sum(2)) < tol
 
 
-@pytest.mark.parametrize("mode, saved_fp8", [("forward", 2), ("full", 0)])
+@pytest.mark.parametrize("mode, saved_fp8", [("forward", 2), ("full", 4)])
 def test_forward_mode_saves_the_fp8_q_and_k(mode, saved_fp8, device):
-    """fp8="forward" keeps the forward's quantised Q and K (one byte per element) for its backward, not Q and K;
-    "full" quantises in its backward's own tiles and keeps Q and K."""
+    """Both modes keep the forward's quantised Q and K for their backward, not Q and K: fp8="forward" in one
+    layout (one byte per element), "full" in both (its backward's tiles are the forward's here, as on the GPU at
+    head_dim 128 and 256: as many bytes as Q and K)."""
     q, k, v = make((1, 2, 2, 40, 40, 24), device, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = flash_attention(q, k, v, causal=True, fp8=mode)
     assert sum(t.dtype == torch.float8_e4m3fn for t in saved) == saved_fp8
-    assert any(t is q for t in saved) == (mode == "full")
+    assert not any(t is q or t is k for t in saved)
     torch.autograd.grad(out.sum(), (q, k, v))  # and the backward runs from them
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_full_backward_on_q_and_k_quantised_to_16(causal, device):
+    """The FP8 backward kernels on Q and K quantised to FP8_SCORES_AMAX (what the FP8 Hopper forward hands
+    fp8="full"'s backward at head_dim 128, where it sums the scores in float16; only the GPU takes that path
+    through the op): gradients equal the float64 simulation with scores_amax=16, as test_full_backward's with
+    448. GQA, a ragged tail, an all-zero Q tile, head_dim 40, the rotation."""
+    from flashtrain.kernels.attention_fp8_bwd import attention_fp8_bwd
+    from flashtrain.kernels.attention_fwd import LOG2E
+    from flashtrain.kernels.fp8_quant import quantize_scores_operands
+
+    q, k, v = make((1, 4, 2, 70, 83, 40), device)
+    q[:, :, :32] = 0
+    dout = make((1, 4, 2, 70, 83, 40), device, seed=1)[0]
+    out, lse = flash_attention(q, k, v, causal=causal, fp8="forward", smooth_k=False, return_lse=True)
+    signs = _rotation_signs(40, q.device)
+    tiles = configs.fp8_bwd_tiles(83, signs.numel())
+    amax = configs.FP8_SCORES_AMAX
+    q8, q_scales, k8, k_scales, q8_t, k8_t = quantize_scores_operands(q, k, tiles["SCALE_M"], tiles["SCALE_N"], signs,
+                                                                      amax_to=amax, both_layouts=True)
+    assert q_scales[:, :, 0].eq(0).all()  # the all-zero tile's scale: 0, as the backward's units need
+    dq, dk, dv, _ = attention_fp8_bwd(dout, q.new_empty(0), k.new_empty(0), v, out, lse.float() * LOG2E, None,
+                                      causal, 40 ** -0.5, signs, quantized=(q8, q_scales, q8_t, k8, k_scales, k8_t))
+    sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=tiles, causal=causal, signs=signs, scores_amax=amax)
+    for name, g, s_ in zip(("dq", "dk", "dv"), (dq, dk, dv), sim):
+        assert torch.isfinite(g).all() and rel_error(g, s_) < 2e-3, (name, rel_error(g, s_))
 
 
 def test_full_backward_reuses_the_forwards_key_mean(device, monkeypatch):
