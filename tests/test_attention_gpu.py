@@ -573,19 +573,22 @@ def test_tensors_on_a_gpu_that_is_not_current(seq, fp8):
 
 
 @needs_hopper
+@pytest.mark.parametrize("q_magnitude", [1.0, 40.0], ids=str)
 @pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth_k", "plain_k"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fp8_full_backward_reads_the_hopper_forwards_fp8(causal, smooth_k):
+def test_fp8_full_backward_reads_the_hopper_forwards_fp8(causal, smooth_k, q_magnitude):
     """fp8="full" at head_dim 128 through the FP8 Hopper forward: its Q and K are quantised to
     FP8_SCORES_AMAX (the float16 scores) in the backward's tiles, and the backward reads them; its gradients equal
-    the float64 simulation of the backward on Q and K quantised so, up to bf16 rounding of the gradients."""
+    the float64 simulation of the backward on Q and K quantised so, up to bf16 rounding of the gradients. Q of
+    40 N(0, 1): Q tile scales of 16 at that amax, where dK's quantisation factor overflowed at its floor
+    (``attention_fp8_bwd._ds_factor``)."""
     from flashtrain import fp8 as fp8_module
     from flashtrain.kernels.attention_fp8_fwd import f16_softmax_scale, fp8_scores_amax
     from flashtrain.reference import fp8_attention_bwd_ref
 
     torch.manual_seed(5)
     head_dim, seq = 128, 1000
-    q = randn(2, 4, seq, head_dim, dtype=torch.bfloat16).requires_grad_()
+    q = (randn(2, 4, seq, head_dim, dtype=torch.bfloat16) * q_magnitude).requires_grad_()
     k, v = (randn(2, 2, seq, head_dim, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
     dout = randn(2, 4, seq, head_dim, dtype=torch.bfloat16)
     scale = f16_softmax_scale(head_dim ** -0.5)  # the scale the float16 scores apply (passed in, it stays)
