@@ -198,6 +198,10 @@ def _backward_reads_forward_tiles(q: Tensor, k: Tensor, qk_dim: int) -> bool:
     return fp8_tiles(q, k) == (tiles["SCALE_M"], tiles["SCALE_N"])
 
 
+# the dtypes of the op's quantised outputs (q8, q_scales, k8, k_scales, q8_t, k8_t)
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float32) * 2 + (torch.float8_e4m3fn, ) * 2
+
+
 def _padded_rows(t: Tensor) -> Tensor:
     """The whole buffer of a transposed e4m3 copy (``fp8_quantize(..., with_transposed=True)``'s third output, a
     (B, H, D, N) view with its row stride padded to 16 bytes): (B, H, D, row stride), contiguous; ``[..., :N]``
@@ -248,9 +252,9 @@ def _(q, k, v, causal, scale, rotate, fp8_backward, smooth_k):
     k_mean = q.new_empty((*k.shape[:2], k.shape[3]) if smooth_k else (0, ), dtype=torch.float32)
     qk_dim = padded_dim(q.shape[-1]) if rotate else q.shape[-1]
     both_layouts = fp8_backward and _backward_reads_forward_tiles(q, k, qk_dim)
-    e4m3, fp32 = torch.float8_e4m3fn, torch.float32
     if fp8_backward and not both_layouts:
-        return out, lse, *(q.new_empty(0, dtype=dt) for dt in (e4m3, fp32, e4m3, fp32, e4m3, e4m3)), k_mean
+        return out, lse, *(q.new_empty(0, dtype=dt) for dt in _QUANTIZED_DTYPES), k_mean
+    e4m3, fp32 = torch.float8_e4m3fn, torch.float32
     quantized, transposed = [], []
     for x, block in zip((q, k), fp8_tiles(q, k)):
         batch, heads, seq = x.shape[:3]
@@ -263,7 +267,7 @@ def _(q, k, v, causal, scale, rotate, fp8_backward, smooth_k):
 
 def _fp8_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
              causal: bool, scale: float, rotate: bool, smooth_k: bool, k_mean: Tensor, q8: Tensor, q_scales: Tensor,
-             q8_t: Tensor, k8: Tensor, k_scales: Tensor, k8_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+             k8: Tensor, k_scales: Tensor, q8_t: Tensor, k8_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py) on the forward's FP8 Q and K (q8 ... k8_t,
     ``_fp8_fwd``'s outputs; q and k then empty, of the inputs' dtype), or, where those are empty, on Q and K
     rotated and quantised again (with smooth_k, K smoothed as in the forward, with the forward's k_mean: the same
@@ -274,7 +278,7 @@ def _fp8_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     signs = _rotation_signs(v.shape[-1], v.device) if rotate else None
     quantized = None
     if q8.numel():
-        quantized = (q8, q_scales, q8_t[..., :q8.shape[2]], k8, k_scales, k8_t[..., :k8.shape[2]])
+        quantized = (q8, q_scales, k8, k_scales, q8_t[..., :q8.shape[2]], k8_t[..., :k8.shape[2]])
     dq, dk, dv, dk_sums = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, signs,
                                             k_mean if smooth_k else None,
                                             dk_dtype=torch.float32 if smooth_k else None, key_sums=smooth_k,
@@ -287,14 +291,14 @@ def _fp8_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 @torch.library.custom_op("flashtrain::attention_fp8_bwd", mutates_args=())
 def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           dlse: Tensor | None, causal: bool, scale: float, rotate: bool, smooth_k: bool,
-                          k_mean: Tensor, q8: Tensor, q_scales: Tensor, q8_t: Tensor, k8: Tensor, k_scales: Tensor,
+                          k_mean: Tensor, q8: Tensor, q_scales: Tensor, k8: Tensor, k_scales: Tensor, q8_t: Tensor,
                           k8_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean, q8, q_scales, q8_t, k8,
-                    k_scales, k8_t)
+    return _fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean, q8, q_scales, k8,
+                    k_scales, q8_t, k8_t)
 
 
 @_attention_fp8_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean, q8, q_scales, q8_t, k8, k_scales, k8_t):
+def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean, q8, q_scales, k8, k_scales, q8_t, k8_t):
     # the kernels' outputs are contiguous; dq has dout's shape and dk v's (q and k may be empty placeholders)
     return dout.new_empty(dout.shape), v.new_empty(v.shape), v.new_empty(v.shape)
 
@@ -348,13 +352,13 @@ def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, rotate, fp8_backward, smooth_k = inputs
     out, lse, *quantized, k_mean = output
     ctx.mark_non_differentiable(*quantized, k_mean)
-    q8, q_scales, k8, k_scales, q8_t, k8_t = quantized
+    q8 = quantized[0]
     if fp8_backward and q8.numel():  # the forward's FP8 Q and K in both layouts: as many bytes as Q and K
-        ctx.save_for_backward(q8, q_scales, q8_t, k8, k_scales, k8_t, v, out, lse)
+        ctx.save_for_backward(*quantized, v, out, lse)
     elif fp8_backward:  # the FP8 backward quantises Q and K in its own tiles (K centred by k_mean)
         ctx.save_for_backward(q, k, v, out, lse, k_mean)
     else:  # the forward's FP8 Q and K (half the bytes of Q and K), for its scores
-        ctx.save_for_backward(q8, q_scales, k8, k_scales, v, out, lse)
+        ctx.save_for_backward(*quantized[:4], v, out, lse)
         ctx.tiles = fp8_tiles(q, k)
     ctx.reads_forward_fp8 = fp8_backward and q8.numel() > 0
     ctx.causal, ctx.scale, ctx.rotate, ctx.fp8_backward, ctx.smooth_k = causal, scale, rotate, fp8_backward, smooth_k
@@ -367,16 +371,14 @@ def _backward_with(full_bwd, forward_bwd, ctx, dout, dlse2):
     dlse = kernel_dlse(dlse2)
     if ctx.fp8_backward:
         if ctx.reads_forward_fp8:
-            q8, q_scales, q8_t, k8, k_scales, k8_t, v, out, lse2 = ctx.saved_tensors
+            *quantized, v, out, lse2 = ctx.saved_tensors
             q, k, k_mean = v.new_empty(0), v.new_empty(0), v.new_empty(0, dtype=torch.float32)
         else:
             q, k, v, out, lse2, k_mean = ctx.saved_tensors
-            e4m3, fp32 = torch.float8_e4m3fn, torch.float32
-            q8, q_scales, q8_t, k8, k_scales, k8_t = (v.new_empty(0, dtype=dt) for dt in
-                                                      (e4m3, fp32, e4m3, e4m3, fp32, e4m3))
+            quantized = (v.new_empty(0, dtype=dt) for dt in _QUANTIZED_DTYPES)
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = full_bwd(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate, ctx.smooth_k,
-                              k_mean, q8, q_scales, q8_t, k8, k_scales, k8_t)
+                              k_mean, *quantized)
     else:
         q8, q_scales, k8, k_scales, v, out, lse2 = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout

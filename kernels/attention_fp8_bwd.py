@@ -433,19 +433,11 @@ def quantize_do_and_delta(do: torch.Tensor, out: torch.Tensor, dlse: torch.Tenso
     return do8, scales, do8_t.transpose(2, 3) if sixteen_bit else do8_t, delta
 
 
-def _quantize_scores_both_layouts(q, k, scale_m: int, scale_n: int, signs, k_mean):
-    """(q8, q_scales, q8_t, k8, k_scales, k8_t): ``quantize_scores_operands(..., both_layouts=True)`` in this
-    backward's tiles (Q's and dO's scales set the units of dK and dV: an all-zero Q tile reports 0, not 1)."""
-    q8, q_scales, k8, k_scales, q8_t, k8_t = quantize_scores_operands(q, k, scale_m, scale_n, signs, k_mean,
-                                                                      both_layouts=True)
-    return q8, q_scales, q8_t, k8, k_scales, k8_t
-
-
 @configs.on_input_device
 def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, signs=None, k_mean=None,
                       dk_dtype=None, key_sums: bool = False, quantized=None):
-    """Launch the FP8 backward. Returns (dq, dk, dv, dk_sums): dq in q's dtype, dk in ``dk_dtype`` (default k's),
-    dv in v's, contiguous, each rounded once from the kernels' fp32. With ``signs`` (the forward's rotation) the
+    """Launch the FP8 backward. Returns (dq, dk, dv, dk_sums): dq in the inputs' dtype, dk in ``dk_dtype`` (default
+    the inputs'), dv in v's, contiguous, each rounded once from the kernels' fp32. With ``signs`` (the forward's rotation) the
     scores' Q and K are rotated, and dq and dk are rotated back inside the kernels. ``key_sums``: dk_sums
     (B, H_kv, cdiv(N_k, BLOCK_N), D) fp32, each dK/dV program's sum of dk over its keys (its fp32 values), so
     that dk's mean over the sequence needs no pass over dk; else None.
@@ -453,9 +445,9 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
     q, do, out: (B, H_q, N_q, D); k, v: (B, H_kv, N_k, D); lse: (B, H_q, N_q) log2-domain fp32 from the FP8
     forward; dlse: the gradient of the natural-log LSE or None. ``signs`` and ``k_mean``: the forward's
     rotation and K smoothing, applied to Q and K as there (``quantize_scores_operands``). ``quantized``: Q and K
-    already quantised in this backward's tiles, (q8, q_scales, q8_t, k8, k_scales, k8_t) from
-    ``quantize_scores_operands(..., both_layouts=True)`` (the forward's, rotated and smoothed there), or None to
-    quantise q and k here; with it q and k are not read (their shapes are do's and v's).
+    already quantised in this backward's tiles, ``quantize_scores_operands(..., both_layouts=True)``'s (q8,
+    q_scales, k8, k_scales, q8_t, k8_t) (the forward's, rotated and smoothed there), or None to quantise q and k
+    here; with it q and k are not read (their shapes are do's and v's).
     """
     batch, heads_q, seq_q, head_dim = do.shape
     heads_kv, seq_k = v.shape[1], v.shape[2]
@@ -475,14 +467,15 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
     # in both layouts: one launch each writes both for 16-bit inputs (one read, one rotation; two for float32).
     # Q and K come from the forward where it quantised them in these tiles (``quantized``)
     if quantized is None:
-        q8, q_scales, q8_t, k8, k_scales, k8_t = _quantize_scores_both_layouts(q, k, scale_m, scale_n, signs, k_mean)
+        quantized = quantize_scores_operands(q, k, scale_m, scale_n, signs, k_mean, both_layouts=True)
     else:
-        q8, q_scales, q8_t, k8, k_scales, k8_t = quantized
         expected = (batch, heads_q, configs.cdiv(seq_q, scale_m)), (batch, heads_kv, configs.cdiv(seq_k, scale_n))
+        q8, q_scales, k8, k_scales = quantized[:4]
         if (tuple(q_scales.shape), tuple(k_scales.shape)) != expected or q8.shape[-1] != qk_dim:
             raise ValueError(f"attention_fp8_bwd: quantized Q and K must be in tiles of {scale_m} and {scale_n} rows, "
                              f"{qk_dim} wide: scales of shapes {expected[0]} and {expected[1]}; got "
                              f"{tuple(q_scales.shape)} and {tuple(k_scales.shape)}, q8 {tuple(q8.shape)}")
+    q8, q_scales, k8, k_scales, q8_t, k8_t = quantized
     v8, v_scales = fp8_quantize(v, scale_n)
     do8, do_scales, do8_t, delta = quantize_do_and_delta(do, out, dlse, scale_m)  # delta from the dO8 that dP sees
     dv_unit = do_scales.view(batch * heads_kv, -1).amax(dim=1)  # (B * H_kv,): each group's dO scales, contiguous

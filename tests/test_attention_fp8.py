@@ -211,11 +211,11 @@ def test_full_backward_on_q_and_k_quantised_to_16(causal, device):
     signs = _rotation_signs(40, q.device)
     tiles = configs.fp8_bwd_tiles(83, signs.numel())
     amax = configs.FP8_SCORES_AMAX
-    q8, q_scales, k8, k_scales, q8_t, k8_t = quantize_scores_operands(q, k, tiles["SCALE_M"], tiles["SCALE_N"], signs,
-                                                                      amax_to=amax, both_layouts=True)
-    assert q_scales[:, :, 0].eq(0).all()  # the all-zero tile's scale: 0, as the backward's units need
+    quantized = quantize_scores_operands(q, k, tiles["SCALE_M"], tiles["SCALE_N"], signs, amax_to=amax,
+                                         both_layouts=True)
+    assert quantized[1][:, :, 0].eq(0).all()  # the all-zero tile's scale: 0, as the backward's units need
     dq, dk, dv, _ = attention_fp8_bwd(dout, q.new_empty(0), k.new_empty(0), v, out, lse.float() * LOG2E, None,
-                                      causal, 40 ** -0.5, signs, quantized=(q8, q_scales, q8_t, k8, k_scales, k8_t))
+                                      causal, 40 ** -0.5, signs, quantized=quantized)
     sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=tiles, causal=causal, signs=signs, scores_amax=amax)
     for name, g, s_ in zip(("dq", "dk", "dv"), (dq, dk, dv), sim):
         assert torch.isfinite(g).all() and rel_error(g, s_) < 2e-3, (name, rel_error(g, s_))
