@@ -79,9 +79,15 @@ Numerics:
   rounding of the scores where the Hopper kernel sums them in float16); V, dO and the forward's output enter
   unquantised. The gradient passes straight through the quantisation (and back
   through the rotation).
-* ``fp8="full"`` (``flashtrain.kernels.attention_fp8_bwd``): Q, K (rotated again, in the input dtype), V and dO
-  are quantised per tile of 128 rows on the GPU (``configs.fp8_bwd_tiles``; an all-zero Q or dO tile reports
-  scale 0); P is recomputed from the FP8 Q K^T and the forward's LSE; dP = dO8 V8^T, dS = P (dP - delta) in
+* ``fp8="full"`` (``flashtrain.kernels.attention_fp8_bwd``): Q, K, V and dO are quantised per tile of 128 rows
+  on the GPU (``configs.fp8_bwd_tiles``; an all-zero Q or dO tile reports scale 0). Q and K are the forward's
+  where its tiles are these (head_dim 128 and 256 on the GPU; every width in the interpreter, whose tiles are
+  set so): the forward quantises them in both layouts (and Q's all-zero tiles with scale 0) and saves them,
+  so the backward's scores are the forward's bits, and where the FP8 Hopper forward sums its scores in float16
+  (head_dim 128) they come quantised to 16, not 448 (e4m3's subnormals then start at amax / 1024 instead of
+  amax / 28672; the same 3-bit mantissa above). Elsewhere (head_dim 64 on the GPU) the backward rotates and
+  quantises Q and K again, from Q and K saved in the input dtype. P is recomputed from the FP8 Q K^T and the
+  forward's LSE; dP = dO8 V8^T, dS = P (dP - delta) in
   fp32 with delta = rowsum(dO8 * O) (dO8 dequantised: the dO that dP takes, so dS's rows sum closer to zero
   than with dO's own values; computed in dO's quantisation pass). dV and dK accumulate in place in fp32 (the
   tensor core's accumulator), each in a power-of-two unit, so every product lands unscaled:
@@ -122,6 +128,7 @@ import torch
 from torch import Tensor
 
 from .attention import kernel_dlse
+from .kernels import configs
 from .kernels.attention_bwd import attention_bwd
 from .kernels.attention_fp8_bwd import attention_fp8_bwd
 from .kernels.attention_fp8_fwd import attention_fp8_fwd, fp8_forward_scale, fp8_tiles
@@ -182,29 +189,60 @@ def _centred(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return centre(x, _seq_mean(x), dtype)
 
 
+def _backward_reads_forward_tiles(q: Tensor, k: Tensor, qk_dim: int) -> bool:
+    """Whether fp8="full"'s backward quantises Q and K in the forward's tiles (``fp8_tiles``: Q per tile of
+    SCALE_M rows, K per tile of SCALE_N, ``configs.fp8_bwd_tiles``), so that it can take the forward's FP8 Q and
+    K instead of rotating and quantising them again: on the GPU at head_dim 128 and 256 (tiles of 128 x 128),
+    not at 64 (the forward's K tiles are 64 keys)."""
+    tiles = configs.fp8_bwd_tiles(max(q.shape[2], k.shape[2]), qk_dim)
+    return fp8_tiles(q, k) == (tiles["SCALE_M"], tiles["SCALE_N"])
+
+
+# the dtypes of the op's quantised outputs (q8, q_scales, k8, k_scales, q8_t, k8_t)
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float32) * 2 + (torch.float8_e4m3fn, ) * 2
+
+
+def _padded_rows(t: Tensor) -> Tensor:
+    """The whole buffer of a transposed e4m3 copy (``fp8_quantize(..., with_transposed=True)``'s third output, a
+    (B, H, D, N) view with its row stride padded to 16 bytes): (B, H, D, row stride), contiguous; ``[..., :N]``
+    gives the view back. What the custom op returns (an output is a whole tensor)."""
+    return t.as_strided((*t.shape[:3], t.stride(2)), t.stride(), t.storage_offset())
+
+
 # K smoothing runs inside the custom ops (not as torch ops around them), so that torch.compile runs the same
 # code as eager mode: Inductor's own fusion of the mean would round differently, and one flipped e4m3 rounding
 # changes the result's bits.
 def _fp8_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool, fp8_backward: bool,
-             smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, q8, q_scales, k8, k_scales, k_mean): the quantised (rotated) Q and K are outputs too, so that
-    fp8="forward"'s backward recomputes the forward's scores from them instead of rotating and quantising
-    again (non-differentiable; empty for fp8="full", whose backward quantises in its own tiles). With
-    smooth_k, the kernels see ``_centred(k)`` and lse is the LSE of those scores; k_mean, ``_seq_mean(k)``
-    (empty without smooth_k), is an output for fp8="full"'s backward, which centres K again."""
+             smooth_k: bool) -> tuple[Tensor, ...]:
+    """(out, lse, q8, q_scales, k8, k_scales, q8_t, k8_t, k_mean): the quantised (rotated) Q and K are outputs
+    too (non-differentiable), so that the backward recomputes the forward's scores from them instead of
+    rotating and quantising again: fp8="forward"'s (q8_t and k8_t empty) and fp8="full"'s where it reads the
+    forward's tiles (``_backward_reads_forward_tiles``; q8_t and k8_t are then the transposed copies, whole
+    buffers (``_padded_rows``), and an all-zero Q tile's scale is 0). Otherwise for fp8="full" all six are empty
+    and its backward quantises Q and K itself. With smooth_k, the kernels see ``_centred(k)`` and lse is the LSE
+    of those scores; k_mean, ``_seq_mean(k)`` (empty without smooth_k), is an output for the backward that
+    centres K again."""
     # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation (and the centring)
     signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
     k_mean = _seq_mean(k) if smooth_k else None
-    out, lse, quantized = attention_fp8_fwd(q, k, v, causal, scale, signs, k_mean)
-    if fp8_backward:
-        quantized = tuple(q.new_empty(0, dtype=t.dtype) for t in quantized)
-    return out, lse, *quantized, q.new_empty(0, dtype=torch.float32) if k_mean is None else k_mean
+    qk_dim = q.shape[-1] if signs is None else signs.numel()
+    both_layouts = fp8_backward and _backward_reads_forward_tiles(q, k, qk_dim)
+    out, lse, quantized = attention_fp8_fwd(q, k, v, causal, scale, signs, k_mean, both_layouts=both_layouts)
+    q8, q_scales, k8, k_scales, q8_t, k8_t = quantized
+    if both_layouts:
+        q8_t, k8_t = _padded_rows(q8_t), _padded_rows(k8_t)
+    elif fp8_backward:
+        q8, q_scales, k8, k_scales = (q.new_empty(0, dtype=t.dtype) for t in (q8, q_scales, k8, k_scales))
+    if not both_layouts:
+        q8_t, k8_t = (q.new_empty(0, dtype=torch.float8_e4m3fn) for _ in range(2))
+    return (out, lse, q8, q_scales, k8, k_scales, q8_t, k8_t,
+            q.new_empty(0, dtype=torch.float32) if k_mean is None else k_mean)
 
 
 @torch.library.custom_op("flashtrain::attention_fp8_fwd", mutates_args=())
 def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate: bool,
                           fp8_backward: bool, smooth_k: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                       Tensor]:
+                                                                       Tensor, Tensor, Tensor]:
     return _fp8_fwd(q, k, v, causal, scale, rotate, fp8_backward, smooth_k)
 
 
@@ -212,44 +250,57 @@ def _attention_fp8_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: 
 def _(q, k, v, causal, scale, rotate, fp8_backward, smooth_k):
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
     k_mean = q.new_empty((*k.shape[:2], k.shape[3]) if smooth_k else (0, ), dtype=torch.float32)
-    if fp8_backward:
-        return out, lse, *(q.new_empty(0, dtype=dt) for dt in (torch.float8_e4m3fn, torch.float32) * 2), k_mean
     qk_dim = padded_dim(q.shape[-1]) if rotate else q.shape[-1]
-    quantized = []
+    both_layouts = fp8_backward and _backward_reads_forward_tiles(q, k, qk_dim)
+    if fp8_backward and not both_layouts:
+        return out, lse, *(q.new_empty(0, dtype=dt) for dt in _QUANTIZED_DTYPES), k_mean
+    e4m3, fp32 = torch.float8_e4m3fn, torch.float32
+    quantized, transposed = [], []
     for x, block in zip((q, k), fp8_tiles(q, k)):
         batch, heads, seq = x.shape[:3]
-        quantized += [x.new_empty((batch, heads, seq, qk_dim), dtype=torch.float8_e4m3fn),
-                      x.new_empty((batch, heads, cdiv(seq, block)), dtype=torch.float32)]
-    return out, lse, *quantized, k_mean
+        quantized += [x.new_empty((batch, heads, seq, qk_dim), dtype=e4m3),
+                      x.new_empty((batch, heads, cdiv(seq, block)), dtype=fp32)]
+        transposed.append(x.new_empty((batch, heads, qk_dim, cdiv(seq, 16) * 16) if both_layouts else (0, ),
+                                      dtype=e4m3))
+    return out, lse, *quantized, *transposed, k_mean
 
 
 def _fp8_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
-             causal: bool, scale: float, rotate: bool, smooth_k: bool, k_mean: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py); dQ and dK are rotated back, and with
-    smooth_k K is smoothed as in the forward (with the forward's k_mean: same bits) and dK passes back through
-    the centring."""
+             causal: bool, scale: float, rotate: bool, smooth_k: bool, k_mean: Tensor, q8: Tensor, q_scales: Tensor,
+             k8: Tensor, k_scales: Tensor, q8_t: Tensor, k8_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """fp8="full": FP8 gradient matmuls (kernels/attention_fp8_bwd.py) on the forward's FP8 Q and K (q8 ... k8_t,
+    ``_fp8_fwd``'s outputs; q and k then empty, of the inputs' dtype), or, where those are empty, on Q and K
+    rotated and quantised again (with smooth_k, K smoothed as in the forward, with the forward's k_mean: the same
+    bits). dQ and dK are rotated back, and with smooth_k dK passes back through the centring."""
     # S = (Q M)(K M)^T: dQ = dQ_rot M^T, the inverse rotation (M is orthogonal), run by the kernels before they
     # store dQ and dK. With smooth_k, dK comes in fp32 with its per-program key sums, and is rounded to K's dtype
     # by its centring: one pass over it.
-    signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
+    signs = _rotation_signs(v.shape[-1], v.device) if rotate else None
+    quantized = None
+    if q8.numel():
+        quantized = (q8, q_scales, k8, k_scales, q8_t[..., :q8.shape[2]], k8_t[..., :k8.shape[2]])
     dq, dk, dv, dk_sums = attention_fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, signs,
                                             k_mean if smooth_k else None,
-                                            dk_dtype=torch.float32 if smooth_k else None, key_sums=smooth_k)
+                                            dk_dtype=torch.float32 if smooth_k else None, key_sums=smooth_k,
+                                            quantized=quantized)
     if smooth_k:
-        dk = centre(dk, dk_sums.sum(dim=2) / k.shape[2], k.dtype)  # dK's mean over the keys, (B, H_kv, D) fp32
+        dk = centre(dk, dk_sums.sum(dim=2) / v.shape[2], v.dtype)  # dK's mean over the keys, (B, H_kv, D) fp32
     return dq, dk, dv
 
 
 @torch.library.custom_op("flashtrain::attention_fp8_bwd", mutates_args=())
 def _attention_fp8_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           dlse: Tensor | None, causal: bool, scale: float, rotate: bool, smooth_k: bool,
-                          k_mean: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean)
+                          k_mean: Tensor, q8: Tensor, q_scales: Tensor, k8: Tensor, k_scales: Tensor, q8_t: Tensor,
+                          k8_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _fp8_bwd(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean, q8, q_scales, k8,
+                    k_scales, q8_t, k8_t)
 
 
 @_attention_fp8_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean):  # the kernels' outputs are contiguous
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, dlse, causal, scale, rotate, smooth_k, k_mean, q8, q_scales, k8, k_scales, q8_t, k8_t):
+    # the kernels' outputs are contiguous; dq has dout's shape and dk v's (q and k may be empty placeholders)
+    return dout.new_empty(dout.shape), v.new_empty(v.shape), v.new_empty(v.shape)
 
 
 def _fp8_forward_bwd(dout: Tensor, q8: Tensor, q_scales: Tensor, k8: Tensor, k_scales: Tensor, v: Tensor,
@@ -301,11 +352,15 @@ def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, rotate, fp8_backward, smooth_k = inputs
     out, lse, *quantized, k_mean = output
     ctx.mark_non_differentiable(*quantized, k_mean)
-    if fp8_backward:  # the FP8 backward quantises Q, K, V and dO in its own tiles (K centred by k_mean)
+    q8 = quantized[0]
+    if fp8_backward and q8.numel():  # the forward's FP8 Q and K in both layouts: as many bytes as Q and K
+        ctx.save_for_backward(*quantized, v, out, lse)
+    elif fp8_backward:  # the FP8 backward quantises Q and K in its own tiles (K centred by k_mean)
         ctx.save_for_backward(q, k, v, out, lse, k_mean)
     else:  # the forward's FP8 Q and K (half the bytes of Q and K), for its scores
-        ctx.save_for_backward(*quantized, v, out, lse)
+        ctx.save_for_backward(*quantized[:4], v, out, lse)
         ctx.tiles = fp8_tiles(q, k)
+    ctx.reads_forward_fp8 = fp8_backward and q8.numel() > 0
     ctx.causal, ctx.scale, ctx.rotate, ctx.fp8_backward, ctx.smooth_k = causal, scale, rotate, fp8_backward, smooth_k
 
 
@@ -315,10 +370,15 @@ def _backward_with(full_bwd, forward_bwd, ctx, dout, dlse2):
     None: only the LSE was used (eager mode sends None for an output without a gradient)."""
     dlse = kernel_dlse(dlse2)
     if ctx.fp8_backward:
-        q, k, v, out, lse2, k_mean = ctx.saved_tensors
+        if ctx.reads_forward_fp8:
+            *quantized, v, out, lse2 = ctx.saved_tensors
+            q, k, k_mean = v.new_empty(0), v.new_empty(0), v.new_empty(0, dtype=torch.float32)
+        else:
+            q, k, v, out, lse2, k_mean = ctx.saved_tensors
+            quantized = (v.new_empty(0, dtype=dt) for dt in _QUANTIZED_DTYPES)
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = full_bwd(dout, q, k, v, out, lse2, dlse, ctx.causal, ctx.scale, ctx.rotate, ctx.smooth_k,
-                              k_mean)
+                              k_mean, *quantized)
     else:
         q8, q_scales, k8, k_scales, v, out, lse2 = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout

@@ -193,10 +193,10 @@ def _pow2_scales(amax: torch.Tensor, amax_to: float = 448.0, empty_tile_scale: f
     return torch.where(amax > 0, scales, torch.full_like(amax, empty_tile_scale))
 
 
-def _empty_tiles_zero(x: torch.Tensor, block: int) -> torch.Tensor:
+def _empty_tiles_zero(x: torch.Tensor, block: int, amax_to: float = 448.0) -> torch.Tensor:
     """x's tile scales (fp8_quantize_ref) per row, (B, H, >= N) float64, 0 for an all-zero tile (the backward
     quantises Q and dO with ``empty_tile_scale=0.0``)."""
-    scales = fp8_quantize_ref(x, block)[1].double()
+    scales = fp8_quantize_ref(x, block, amax_to)[1].double()
     amax = torch.nn.functional.pad(x.double(), (0, 0, 0, scales.shape[-1] * block - x.shape[2]))
     amax = amax.unflatten(2, (scales.shape[-1], block)).abs().amax(dim=(-2, -1))
     return torch.where(amax > 0, scales, torch.zeros_like(scales)).repeat_interleave(block, -1)
@@ -237,7 +237,7 @@ def _running_unit_quantize(ds: torch.Tensor, q_scales: torch.Tensor, group: int,
 
 
 def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, tiles, causal=False, scale=None, signs=None, smooth_k=False,
-                          _operands_ready=False):
+                          scores_amax=448.0, _operands_ready=False):
     """The FP8 backward (``fp8="full"``) simulated in float64, given the forward's ``out`` and natural-log
     ``lse``, with the kernels' tiling ``tiles`` (``flashtrain.kernels.configs.fp8_bwd_tiles``): Q and dO (Q
     rotated by ``signs`` if given, in its dtype) rounded to e4m3 per tile of SCALE_M rows, K (rotated) and V per
@@ -245,7 +245,9 @@ def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, tiles, causal=False, scale
     each kernel's tile (ROW_SCALES; else per tile): per key over the dK/dV kernel's BLOCK_M queries for dK, per
     query over the dQ kernel's BLOCK_N keys for dQ; delta from out and the rounded dout (dO8, as dP takes it).
     ``smooth_k``: K enters smoothed (``scores_operands_ref``), with the LSE of those scores, and dK goes back
-    through the centring. Returns float64 (dq, dk, dv)."""
+    through the centring. ``scores_amax``: the magnitude Q's and K's tiles are scaled to (``fp8_quantize``'s
+    amax_to): the backward takes the forward's FP8 Q and K, quantised to 16 where the FP8 Hopper forward sums its
+    scores in float16 (``attention_fp8_fwd.fp8_scores_amax``). Returns float64 (dq, dk, dv)."""
     head_dim = v.shape[-1]  # q's, also where q comes rotated (_operands_ready) and wider
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if smooth_k:
@@ -255,19 +257,20 @@ def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, tiles, causal=False, scale
         lse = lse.double() - scale * shift.flatten(1, 2)[..., 0]  # the centred scores' LSE
         q, k = scores_operands_ref(q, k, signs, smooth_k=True)
         dq, dk, dv = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=tiles, causal=causal, scale=scale,
-                                           signs=signs, _operands_ready=True)
+                                           signs=signs, scores_amax=scores_amax, _operands_ready=True)
         return dq, dk - dk.mean(dim=2, keepdim=True), dv
     if not _operands_ready:  # rotated, then rounded to the input dtype, as the kernels' inputs are
         q, k = scores_operands_ref(q, k, signs)
     q, k, v, out, dout = (t.double() for t in (q, k, v, out, dout))
 
-    def tiles_of_rows(t, block):
-        _, scales = fp8_quantize_ref(t, block)
+    def tiles_of_rows(t, block, amax_to=448.0):
+        _, scales = fp8_quantize_ref(t, block, amax_to)
         return _e4m3_round_trip(t, scales.double().repeat_interleave(block, -1)[..., : t.shape[2], None])
 
-    q8, do8 = (tiles_of_rows(t, tiles["SCALE_M"]) for t in (q, dout))
-    q8_scales_rows, do_scales_rows = (_empty_tiles_zero(t, tiles["SCALE_M"]) for t in (q, dout))
-    k8, v8 = (tiles_of_rows(t, tiles["SCALE_N"]) for t in (k, v))
+    q8, do8 = tiles_of_rows(q, tiles["SCALE_M"], scores_amax), tiles_of_rows(dout, tiles["SCALE_M"])
+    q8_scales_rows = _empty_tiles_zero(q, tiles["SCALE_M"], scores_amax)
+    do_scales_rows = _empty_tiles_zero(dout, tiles["SCALE_M"])
+    k8, v8 = tiles_of_rows(k, tiles["SCALE_N"], scores_amax), tiles_of_rows(v, tiles["SCALE_N"])
     group = q.shape[1] // k.shape[1]
     k8r, v8r = k8.repeat_interleave(group, 1), v8.repeat_interleave(group, 1)
     s = q8 @ k8r.transpose(-1, -2) * scale

@@ -47,7 +47,8 @@ from . import configs
 from .attention_bwd import _dkdv_query_range
 from .attention_fwd import LOG2E, _load_rows, _query_block_key_range, split_scale
 from .fp8_quant import (MIN_SCALE, SOFTWARE_ROUNDING, _chunked_amax, _prepared_rows, _quantize_with_pow2_scale,
-                        _store_copies, _tile_scale, _to_e4m3, fp8_quantize, quant_chunk, transposed_e4m3)
+                        _store_copies, _tile_scale, _to_e4m3, fp8_quantize, quant_chunk, quantize_scores_operands,
+                        transposed_e4m3)
 from .hadamard import _inverse_rotation
 from .launch import launch_kernel
 
@@ -79,6 +80,17 @@ def _settled(acc):
     wgmma of the dK/dV kernel (warning C7515: each waits for the one before; ``configs.FP8_BWD_SETTLE_DK`` says
     where that is slower). Not for the interpreter, which runs no asm."""
     return tl.inline_asm_elementwise("// $0 settled", "=r,0", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _ds_factor(q_scale, inv_unit):
+    """q_scale / unit, dK's quantisation factor per key row, at most 2^127. At the unit's floor (2^-126: a row whose
+    dS is zero or below 2^-126 / q_scale so far) the product overflows for q_scale >= 4, and a zero dS (a key no
+    query of the tile sees) times infinity was NaN: in the interpreter (whose e4m3 conversion turns NaN into
+    +-384, so the outputs stayed finite there), and by the GPU's conversion rules (cvt.rn.satfinite keeps NaN) a
+    NaN e4m3 and a NaN dK row. Clamped, such a row's dS lands in a lower binade than its unit says, an error
+    below 448 * 2^-126 * |Q8| in dK: none in practice."""
+    return tl.minimum(q_scale * inv_unit, 2.0 ** 127)
 
 
 @triton.jit
@@ -149,7 +161,7 @@ def _attention_fp8_bwd_dkdv_inner(dk, dv, dk_unit, inv_dv_unit, k, v, k_scale, v
         unit = tl.maximum(dk_unit, tl.maximum(_row_scales(ds_t) * q_scale, MIN_SCALE))
         inv_unit = 1.0 / unit
         dk = dk * (dk_unit * inv_unit)[:, None]
-        ds8_t = _to_e4m3_sat(ds_t * (q_scale * inv_unit)[:, None])
+        ds8_t = _to_e4m3_sat(ds_t * _ds_factor(q_scale, inv_unit)[:, None])
         dk = tl.dot(ds8_t, tl.trans(q_t), dk)
         if SETTLE_DK:
             dk = _settled(dk)
@@ -423,22 +435,25 @@ def quantize_do_and_delta(do: torch.Tensor, out: torch.Tensor, dlse: torch.Tenso
 
 @configs.on_input_device
 def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, signs=None, k_mean=None,
-                      dk_dtype=None, key_sums: bool = False):
-    """Launch the FP8 backward. Returns (dq, dk, dv, dk_sums): dq in q's dtype, dk in ``dk_dtype`` (default k's),
-    dv in v's, contiguous, each rounded once from the kernels' fp32. With ``signs`` (the forward's rotation) the
+                      dk_dtype=None, key_sums: bool = False, quantized=None):
+    """Launch the FP8 backward. Returns (dq, dk, dv, dk_sums): dq in the inputs' dtype, dk in ``dk_dtype`` (default
+    the inputs'), dv in v's, contiguous, each rounded once from the kernels' fp32. With ``signs`` (the forward's rotation) the
     scores' Q and K are rotated, and dq and dk are rotated back inside the kernels. ``key_sums``: dk_sums
     (B, H_kv, cdiv(N_k, BLOCK_N), D) fp32, each dK/dV program's sum of dk over its keys (its fp32 values), so
     that dk's mean over the sequence needs no pass over dk; else None.
 
     q, do, out: (B, H_q, N_q, D); k, v: (B, H_kv, N_k, D); lse: (B, H_q, N_q) log2-domain fp32 from the FP8
     forward; dlse: the gradient of the natural-log LSE or None. ``signs`` and ``k_mean``: the forward's
-    rotation and K smoothing, applied to Q and K as there (``quantize_scores_operands``).
+    rotation and K smoothing, applied to Q and K as there (``quantize_scores_operands``). ``quantized``: Q and K
+    already quantised in this backward's tiles, ``quantize_scores_operands(..., both_layouts=True)``'s (q8,
+    q_scales, k8, k_scales, q8_t, k8_t) (the forward's, rotated and smoothed there), or None to quantise q and k
+    here; with it q and k are not read (their shapes are do's and v's).
     """
     batch, heads_q, seq_q, head_dim = do.shape
     heads_kv, seq_k = v.shape[1], v.shape[2]
     qk_dim = head_dim if signs is None else signs.numel()
-    dq = torch.empty(q.shape, device=do.device, dtype=q.dtype)
-    dk = torch.empty(k.shape, device=do.device, dtype=dk_dtype or k.dtype)
+    dq = torch.empty(do.shape, device=do.device, dtype=v.dtype)
+    dk = torch.empty(v.shape, device=do.device, dtype=dk_dtype or v.dtype)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     tiles = configs.fp8_bwd_tiles(max(seq_q, seq_k), qk_dim)
     dkdv = tiles["dkdv"]
@@ -449,9 +464,18 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
     scale_m, scale_n = tiles["SCALE_M"], tiles["SCALE_N"]
     lse = lse.contiguous()
     # Q's and dO's scales set the units of dK and dV: an all-zero tile reports 0, not 1. Q, K and dO are needed
-    # in both layouts: one launch each writes both for 16-bit inputs (one read, one rotation; two for float32)
-    q8, q_scales, q8_t = fp8_quantize(q, scale_m, signs=signs, empty_tile_scale=0.0, with_transposed=True)
-    k8, k_scales, k8_t = fp8_quantize(k, scale_n, mean=k_mean, signs=signs, with_transposed=True)
+    # in both layouts: one launch each writes both for 16-bit inputs (one read, one rotation; two for float32).
+    # Q and K come from the forward where it quantised them in these tiles (``quantized``)
+    if quantized is None:
+        quantized = quantize_scores_operands(q, k, scale_m, scale_n, signs, k_mean, both_layouts=True)
+    else:
+        expected = (batch, heads_q, configs.cdiv(seq_q, scale_m)), (batch, heads_kv, configs.cdiv(seq_k, scale_n))
+        q8, q_scales, k8, k_scales = quantized[:4]
+        if (tuple(q_scales.shape), tuple(k_scales.shape)) != expected or q8.shape[-1] != qk_dim:
+            raise ValueError(f"attention_fp8_bwd: quantized Q and K must be in tiles of {scale_m} and {scale_n} rows, "
+                             f"{qk_dim} wide: scales of shapes {expected[0]} and {expected[1]}; got "
+                             f"{tuple(q_scales.shape)} and {tuple(k_scales.shape)}, q8 {tuple(q8.shape)}")
+    q8, q_scales, k8, k_scales, q8_t, k8_t = quantized
     v8, v_scales = fp8_quantize(v, scale_n)
     do8, do_scales, do8_t, delta = quantize_do_and_delta(do, out, dlse, scale_m)  # delta from the dO8 that dP sees
     dv_unit = do_scales.view(batch * heads_kv, -1).amax(dim=1)  # (B * H_kv,): each group's dO scales, contiguous

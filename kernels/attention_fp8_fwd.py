@@ -167,10 +167,12 @@ def attention_fp8_fwd_kernel(
 
 
 @configs.on_input_device
-def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=None):
-    """Quantise and launch. Returns (out, lse, (q8, q_scales, k8, k_scales)): out and lse as ``attention_fwd``
-    (out in q's dtype, LSE log2 fp32), then the quantised Q and K the scores came from (``fp8_quantize``'s
-    outputs, in tiles of ``fp8_tiles``), for a backward that recomputes those scores.
+def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=None, both_layouts: bool = False):
+    """Quantise and launch. Returns (out, lse, (q8, q_scales, k8, k_scales, q8_t, k8_t)): out and lse as
+    ``attention_fwd`` (out in q's dtype, LSE log2 fp32), then the quantised Q and K the scores came from
+    (``fp8_quantize``'s outputs, in tiles of ``fp8_tiles``), for a backward that recomputes those scores; with
+    ``both_layouts`` also their transposed copies and an all-zero Q tile's scale 0 (``quantize_scores_operands``:
+    what the FP8 backward reads, where its tiles are these), else q8_t and k8_t None.
 
     q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), float16/bfloat16, validated by the caller. ``signs`` (D'):
     Q and K are rotated by the Hadamard transform before they are quantised (q8, k8 are (B, H, N, D')), or
@@ -187,10 +189,10 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     qk_dim = head_dim if signs is None else signs.numel()
     hopper = not done and fp8_hopper_forward_applies(q, k, qk_dim, causal, scale)
-    # where the Hopper kernel sums the scores in float16, Q and K are quantised so that no score exceeds it
-    amax_to = configs.FP8_SCORES_AMAX if hopper and fp8_scores_in_f16(head_dim) else E4M3_MAX
-    q8, q_scales, k8, k_scales = quantize_scores_operands(q, k, block_m, block_n, signs, k_mean, amax_to=amax_to)
-    quantized = (q8, q_scales, k8, k_scales)
+    amax_to = _scores_amax(hopper, head_dim)
+    quantized = quantize_scores_operands(q, k, block_m, block_n, signs, k_mean, amax_to=amax_to,
+                                         both_layouts=both_layouts)
+    q8, q_scales, k8, k_scales = quantized[:4]
     if done:
         return out, lse, quantized
     if hopper:
@@ -247,6 +249,19 @@ def fp8_scores_in_f16(head_dim: int) -> bool:
     then Q and K are quantised to ``configs.FP8_SCORES_AMAX`` and the scores' scale is used as its float16 value
     (``f16_softmax_scale``)."""
     return head_dim in configs.FP8_HOPPER_FWD_CONFIGS and configs.fp8_hopper_fwd_meta(head_dim, False)["F16_SCORES"]
+
+
+def _scores_amax(hopper: bool, head_dim: int) -> float:
+    """``fp8_scores_amax`` once the kernel is known: where the Hopper kernel sums the scores in float16, Q and K are
+    quantised so that no score exceeds it."""
+    return configs.FP8_SCORES_AMAX if hopper and fp8_scores_in_f16(head_dim) else E4M3_MAX
+
+
+def fp8_scores_amax(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, qk_dim: int) -> float:
+    """The magnitude ``attention_fp8_fwd`` scales Q's and K's tiles to for these inputs (``fp8_quantize``'s amax_to):
+    ``configs.FP8_SCORES_AMAX`` where the FP8 Hopper kernel sums the scores in float16, else 448. fp8="full"'s
+    backward reads those tiles where they are its own (``flashtrain.fp8``)."""
+    return _scores_amax(fp8_hopper_forward_applies(q, k, qk_dim, causal, scale), q.shape[3])
 
 
 def fp8_forward_scale(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, qk_dim: int) -> float:

@@ -125,8 +125,10 @@ def fixed_config(kernel: str, dtype_is_fp64: bool, block_d: int, seq_len: int) -
 # the quantisation tiles must equal the kernel's tiles (one scale per tile it loads). The fastest of a sweep on
 # the H200 (benchmarks/NOTES.md).
 FP8_FWD = {64: (128, 64, 8, 2), 128: (128, 128, 8, 3), 256: (128, 128, 8, 2)}
-INTERPRET_FP8_FWD = (32, 16, 4, 1)
-INTERPRET_LONG_FP8_FWD = (128, 64, 4, 1)
+# the interpreter's FP8 forward tiles are its FP8 backward's scale tiles (INTERPRET_FP8_BWD), as on the GPU at
+# head_dim 128 and 256, so that fp8="full"'s backward reads the forward's FP8 Q and K on the CPU too
+INTERPRET_FP8_FWD = (32, 32, 4, 1)
+INTERPRET_LONG_FP8_FWD = (128, 128, 4, 1)
 
 
 def fp8_config(seq_len: int, head_dim: int) -> dict:

@@ -518,12 +518,21 @@ def rotation_matrix(method: str, block_d: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mean=None, amax_to: float = E4M3_MAX):
-    """(q8, q_scales, k8, k_scales): Q and K as FP8 scores take them. With ``signs`` (D'), both go through the
-    Hadamard rotation first (q8, k8 then (B, H, N, D')); with ``k_mean`` (B, H_kv, D) float32, K is centred
-    before (K smoothing), inside the quantisation kernel. ``amax_to``: as ``fp8_quantize``'s, for both."""
-    return (*fp8_quantize(q, block_q, signs=signs, amax_to=amax_to),
-            *fp8_quantize(k, block_k, mean=k_mean, signs=signs, amax_to=amax_to))
+def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mean=None, amax_to: float = E4M3_MAX,
+                             both_layouts: bool = False):
+    """(q8, q_scales, k8, k_scales, q8_t, k8_t): Q and K as FP8 scores take them. With ``signs`` (D'), both go
+    through the Hadamard rotation first (q8, k8 then (B, H, N, D')); with ``k_mean`` (B, H_kv, D) float32, K is
+    centred before (K smoothing), inside the quantisation kernel. ``amax_to``: as ``fp8_quantize``'s, for both.
+    ``both_layouts``: also the transposed copies q8_t, k8_t (``fp8_quantize``'s with_transposed: (B, H, D', N)
+    views, N contiguous), and an all-zero Q tile's scale 0 (the FP8 backward's dK units must not take it for a
+    magnitude): what the FP8 backward reads; else q8_t and k8_t are None."""
+    if not both_layouts:
+        return (*fp8_quantize(q, block_q, signs=signs, amax_to=amax_to),
+                *fp8_quantize(k, block_k, mean=k_mean, signs=signs, amax_to=amax_to), None, None)
+    q8, q_scales, q8_t = fp8_quantize(q, block_q, signs=signs, amax_to=amax_to, empty_tile_scale=0.0,
+                                      with_transposed=True)
+    k8, k_scales, k8_t = fp8_quantize(k, block_k, mean=k_mean, signs=signs, amax_to=amax_to, with_transposed=True)
+    return q8, q_scales, k8, k_scales, q8_t, k8_t
 
 
 @triton.jit

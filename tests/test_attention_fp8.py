@@ -29,6 +29,14 @@ def make(shape, device, dtype=torch.float16, requires_grad=False, seed=0):
     return [t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in tensors]
 
 
+def reuse_geometry(device):
+    """(head_dim, rows per Q scale tile) of inputs whose fp8="full" backward reads the forward's FP8 Q and K
+    (``fp8._backward_reads_forward_tiles``): head_dim 40 in the interpreter (tiles of 32 rows below 256 tokens), 128
+    on the GPU (tiles of 128; not at 24 or 40, where the forward's tiles are 64 keys)."""
+    head_dim = 40 if device == "cpu" else 128
+    return head_dim, configs.fp8_bwd_tiles(64, head_dim)["SCALE_M"]
+
+
 def simulated(q, k, v, causal, hadamard, smooth_k=True):
     """The float64 simulation with the kernel's tiles and rotation signs."""
     cfg = configs.fp8_config(max(q.shape[2], k.shape[2]), q.shape[-1])
@@ -120,6 +128,39 @@ def test_forward_mode_gradients(causal, device):
         assert rel_error(g, r) < 5e-2, (name, rel_error(g, r))
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("smooth_k, hadamard", [(True, True), (False, False), (True, False)],
+                         ids=["smooth_rotated", "plain", "smooth_unrotated"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_full_backward_reads_the_forwards_fp8(causal, smooth_k, hadamard, device, monkeypatch):
+    """fp8="full"'s backward takes the forward's FP8 Q and K (both layouts) where the forward quantised them in its
+    tiles: the gradients are bit-identical to those of the backward quantising Q and K itself (the same kernel
+    with the same arguments), and the forward's output to fp8="forward"'s (Q's all-zero tile, scale 0 for the
+    backward, gives the same scores as scale 1). GQA, a ragged tail, an all-zero Q tile, head_dim 40 (128 on the
+    GPU: ``reuse_geometry``)."""
+    from flashtrain import fp8 as fp8_module
+
+    head_dim, tile = reuse_geometry(device)
+    q, k, v = make((1, 4, 2, tile + 38, tile + 51, head_dim), device, requires_grad=True)
+    q = q.detach().clone()
+    q[:, :, :tile] = 0  # one all-zero Q tile
+    q.requires_grad_()
+    dout = torch.randn_like(q)
+    kwargs = dict(causal=causal, smooth_k=smooth_k, hadamard=hadamard)
+    reads = []
+    real = fp8_module._backward_reads_forward_tiles
+    monkeypatch.setattr(fp8_module, "_backward_reads_forward_tiles", lambda *a: reads.append(real(*a)) or reads[-1])
+    out = flash_attention(q, k, v, fp8="full", **kwargs)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert reads == [True]
+    monkeypatch.setattr(fp8_module, "_backward_reads_forward_tiles", lambda *a: False)
+    out_again = flash_attention(q, k, v, fp8="full", **kwargs)
+    grads_again = torch.autograd.grad(out_again, (q, k, v), dout)
+    assert torch.equal(out, out_again) and torch.equal(out, flash_attention(q, k, v, fp8="forward", **kwargs))
+    for name, g, h in zip(("dq", "dk", "dv"), grads, grads_again):
+        assert torch.isfinite(g).all() and torch.equal(g, h), name
+
+
 @pytest.mark.parametrize("mode", ["forward", "full"])
 def test_gradient_through_the_lse_alone(mode, device):
     """Only the LSE used: eager mode sends the backward no output gradient (None, not a zero tensor for each output
@@ -148,17 +189,50 @@ def test_backward_recomputes_the_forwards_probabilities(mode, tol, device):
     assert rel_error(dv.double().sum(2), dout.double().sum(2)) < tol
 
 
-@pytest.mark.parametrize("mode, saved_fp8", [("forward", 2), ("full", 0)])
+@pytest.mark.parametrize("mode, saved_fp8", [("forward", 2), ("full", 4)])
 def test_forward_mode_saves_the_fp8_q_and_k(mode, saved_fp8, device):
-    """fp8="forward" keeps the forward's quantised Q and K (one byte per element) for its backward, not Q and K;
-    "full" quantises in its backward's own tiles and keeps Q and K."""
-    q, k, v = make((1, 2, 2, 40, 40, 24), device, requires_grad=True)
+    """Both modes keep the forward's quantised Q and K for their backward, not Q and K: fp8="forward" in one
+    layout (one byte per element), "full" in both where its backward's tiles are the forward's
+    (``reuse_geometry``: as many bytes as Q and K)."""
+    q, k, v = make((1, 2, 2, 40, 40, reuse_geometry(device)[0]), device, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = flash_attention(q, k, v, causal=True, fp8=mode)
     assert sum(t.dtype == torch.float8_e4m3fn for t in saved) == saved_fp8
-    assert any(t is q for t in saved) == (mode == "full")
+    assert not any(t is q or t is k for t in saved)
     torch.autograd.grad(out.sum(), (q, k, v))  # and the backward runs from them
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_full_backward_on_q_and_k_quantised_to_16(causal, device):
+    """The FP8 backward kernels on Q and K quantised to FP8_SCORES_AMAX (what the FP8 Hopper forward hands
+    fp8="full"'s backward at head_dim 128, where it sums the scores in float16; only the GPU takes that path
+    through the op): gradients equal the float64 simulation with scores_amax=16, as test_full_backward's with
+    448 (within 2e-2 on CUDA, whose tensor cores sum FP8 products in ~14 bits: test_full_backward). GQA, a ragged
+    tail, an all-zero Q tile, head_dim 40, the rotation."""
+    from flashtrain.kernels.attention_fp8_bwd import attention_fp8_bwd
+    from flashtrain.kernels.attention_fwd import LOG2E
+    from flashtrain.kernels.fp8_quant import quantize_scores_operands
+
+    tiles = configs.fp8_bwd_tiles(64, 64)  # the rows per scale tile: 32 in the interpreter, 128 on the GPU
+    shape = (1, 4, 2, tiles["SCALE_M"] + 38, tiles["SCALE_M"] + 51, 40)
+    q, k, v = make(shape, device)
+    q[:, :, :tiles["SCALE_M"]] = 0
+    dout = make(shape, device, seed=1)[0]
+    out, lse = flash_attention(q, k, v, causal=causal, fp8="forward", smooth_k=False, return_lse=True)
+    signs = _rotation_signs(40, q.device)
+    tiles = configs.fp8_bwd_tiles(shape[4], signs.numel())
+    amax = configs.FP8_SCORES_AMAX
+    quantized = quantize_scores_operands(q, k, tiles["SCALE_M"], tiles["SCALE_N"], signs, amax_to=amax,
+                                         both_layouts=True)
+    assert quantized[1][:, :, 0].eq(0).all()  # the all-zero tile's scale: 0, as the backward's units need
+    dq, dk, dv, _ = attention_fp8_bwd(dout, q.new_empty(0), k.new_empty(0), v, out, lse.float() * LOG2E, None,
+                                      causal, 40 ** -0.5, signs, quantized=quantized)
+    sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=tiles, causal=causal, signs=signs, scores_amax=amax)
+    tol = 2e-2 if device == "cuda" else 2e-3
+    for name, g, s_ in zip(("dq", "dk", "dv"), (dq, dk, dv), sim):
+        assert torch.isfinite(g).all() and rel_error(g, s_) < tol, (name, rel_error(g, s_))
 
 
 def test_full_backward_reuses_the_forwards_key_mean(device, monkeypatch):
@@ -203,6 +277,32 @@ def test_full_backward(shape, causal, hadamard, smooth_k, device):
         assert g.dtype == q.dtype and g.shape == e.shape and torch.isfinite(g).all(), name
         assert rel_error(g, s) < (2e-2 if device == "cuda" else 2e-3), (name, rel_error(g, s))
         assert rel_error(g, e) < 0.1, (name, rel_error(g, e))
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_full_backward_with_large_q_tiles(causal, device):
+    """Q of magnitude 1000 (tile scales of 8 and 16): dK's quantisation factor q_scale / unit overflowed where the
+    unit sat at its floor (2^-126), and a zero dS row (a key no query of the tile sees: causal) times infinity
+    was NaN, a NaN dK row on the GPU. The interpreter's e4m3 conversion turns NaN into +-384, so there numpy is
+    asked to raise where a NaN is made. Gradients finite and equal to the float64 simulation as in
+    test_full_backward. float32 inputs; K scaled by 1/1000, so that the scores are those of N(0, 1) inputs (the
+    GPU's FP8 sums keep ~14 bits, test_full_backward: with scores 1000x larger their error grows 1000x, dQ 0.11
+    from the simulation on the H200)."""
+    import numpy as np
+
+    shape = (1, 2, 1, 70, 83, 40)
+    q, k, v = make(shape, device, dtype=torch.float32)
+    q = (q * 1000).requires_grad_()
+    k = (k / 1000).requires_grad_()
+    v.requires_grad_()
+    dout = make(shape, device, dtype=torch.float32, seed=1)[0]
+    out, lse = flash_attention(q, k, v, causal=causal, fp8="full", hadamard=False, smooth_k=False, return_lse=True)
+    with np.errstate(invalid="raise"):
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    sim = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=configs.fp8_bwd_tiles(83, 40), causal=causal)
+    for name, g, s_ in zip(("dq", "dk", "dv"), grads, sim):
+        assert torch.isfinite(g).all() and rel_error(g, s_) < (2e-2 if device == "cuda" else 2e-3), name
 
 
 def full_backward_and_references(q, k, v, dout, causal):

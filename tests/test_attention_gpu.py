@@ -572,6 +572,42 @@ def test_tensors_on_a_gpu_that_is_not_current(seq, fp8):
             assert torch.equal(a, b), name
 
 
+@needs_hopper
+@pytest.mark.parametrize("q_magnitude", [1.0, 40.0], ids=str)
+@pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth_k", "plain_k"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_full_backward_reads_the_hopper_forwards_fp8(causal, smooth_k, q_magnitude):
+    """fp8="full" at head_dim 128 through the FP8 Hopper forward: its Q and K are quantised to
+    FP8_SCORES_AMAX (the float16 scores) in the backward's tiles, and the backward reads them; its gradients equal
+    the float64 simulation of the backward on Q and K quantised so, up to bf16 rounding of the gradients. Q of
+    40 N(0, 1): Q tile scales of 16 at that amax, where dK's quantisation factor overflowed at its floor
+    (``attention_fp8_bwd._ds_factor``); K then divided by 40, so that the scores are those of N(0, 1) inputs (the
+    tensor cores sum FP8 products in ~14 bits: with scores 40x larger, dQ was 3.6e-2 from the simulation)."""
+    from flashtrain import fp8 as fp8_module
+    from flashtrain.kernels.attention_fp8_fwd import f16_softmax_scale, fp8_scores_amax
+    from flashtrain.reference import fp8_attention_bwd_ref
+
+    torch.manual_seed(5)
+    head_dim, seq = 128, 1000
+    q = (randn(2, 4, seq, head_dim, dtype=torch.bfloat16) * q_magnitude).requires_grad_()
+    k, v = (randn(2, 2, seq, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    k = (k / q_magnitude).requires_grad_()
+    v.requires_grad_()
+    dout = randn(2, 4, seq, head_dim, dtype=torch.bfloat16)
+    scale = f16_softmax_scale(head_dim ** -0.5)  # the scale the float16 scores apply (passed in, it stays)
+    with configs.hopper_forward("always"):
+        amax = fp8_scores_amax(q, k, causal, scale, head_dim)
+        assert amax == configs.FP8_SCORES_AMAX and fp8_module._backward_reads_forward_tiles(q, k, head_dim)
+        out, lse = flash_attention(q, k, v, causal=causal, scale=scale, fp8="full", return_lse=True,
+                                   smooth_k=smooth_k)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    signs = fp8_module._rotation_signs(head_dim, q.device)
+    sim_grads = fp8_attention_bwd_ref(q, k, v, out, lse, dout, tiles=configs.fp8_bwd_tiles(seq, head_dim),
+                                      causal=causal, scale=scale, signs=signs, smooth_k=smooth_k, scores_amax=amax)
+    for name, g, s in zip(("dq", "dk", "dv"), grads, sim_grads):
+        assert torch.isfinite(g).all() and rel_error(g, s) < 1e-2, (name, rel_error(g, s))
+
+
 @pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth_k", "plain_k"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
