@@ -66,13 +66,14 @@ Numerics:
   ~2^-11, against e4m3's 2^-4 on every element of Q and K); the scale enters as a float16 value: the softmax
   scale * log2(e) rounded to float16 (``attention_fp8_fwd.f16_softmax_scale``, within 2^-11; the op passes that
   scale on to its LSE and backward), times the tile scales (powers of two): c, held at >= 2^-24 (below, every
-  |score * c| < 2^-9 anyway); a head with c > 0.99 for some K tile (``F16_C_MAX``: an exponent could then leave
-  float16's range; Q and K entries ~8x N(0, 1) and larger) takes the same kernel's fp32 scores instead; the
-  exponent's offset is rounded down in float16, and the max it stands for is the row max the LSE keeps, so
-  P448 <= 448; the exponential is ``ex2.approx.f16x2``; the row sum adds each thread's values in float16 (at most
-  32 of them, <= 448 each; the LSE within ~5e-4 of the fp32 sum's), then fp32. On the H200 the output's error
-  against float64 is within 1% of the fp32 scores' (benchmarks/NOTES.md, twentieth session), and finite and as
-  close from 1e-4x to 1e4x unit-scale inputs.
+  |score * c| < 2^-9 anyway); the exponent's offset is rounded down in float16, and the max it stands for is the
+  row max the LSE keeps, so P448 <= 448; the exponential is ``ex2.approx.f16x2``; the row sum adds each thread's
+  values in float16 (at most 32 of them, <= 448 each; the LSE within ~5e-4 of the fp32 sum's), then fp32. Where c
+  > 0.99 for the rows' Q tile and some K tile of the head (``F16_C_MAX``: an exponent's argument could then leave
+  float16's range; Q and K entries ~8x N(0, 1) and larger), those rows compute the argument in fp32 (c and the row
+  max in fp32; the argument, <= log2(448), rounded toward zero to float16 for the exponential) on the same float16
+  scores. On the H200 the output's error against float64 is within 1% of fp32 scores' (benchmarks/NOTES.md,
+  twentieth and twenty-ninth sessions), and finite and as close from 1e-4x to 1e4x unit-scale inputs.
 * ``fp8="forward"``: the backward runs the 16-bit kernels on the scores the forward computed: the forward
   saves its FP8 (rotated) Q and K with their scales, and the backward dequantises them (exact in the input
   dtype), so P recomputed from them and the forward's LSE is the forward's P (rows sum to one; up to the float16

@@ -1,9 +1,9 @@
 """FP8 (e4m3) attention forward for Hopper (sm_90): the warp-specialised schedule of ``attention_fwd_hopper``
 on the FP8 operands of ``attention_fp8_fwd``.
 
-Same inputs and numerics as ``attention_fp8_fwd_kernel``: Q8 in tiles of 128 rows (one scale per CTA, whose
-two softmax warpgroups of 64 rows share it), K8 and V8 in tiles of KV_TILE keys, V stored transposed
-(K-major, as FP8 wgmma takes its right operand) with its keys in the accumulator's column order (below);
+Same inputs and numerics as ``attention_fp8_fwd_kernel``: Q8 in tiles of 128 rows (each softmax warpgroup's 64
+rows lie in one and take its scale; a CTA has CONSUMERS of them), K8 and V8 in tiles of KV_TILE keys, V stored
+transposed (K-major, as FP8 wgmma takes its right operand) with its keys in the accumulator's column order (below);
 scores c * (Q8 K8^T) with c = q_scale * k_scale * softmax_scale * log2(e) applied inside the exponent's FMA;
 P448 = exp2(S - m + log2(448)) rounded to e4m3 (P's fixed scale 448); l the row sum of the unrounded P448.
 
@@ -37,13 +37,19 @@ holds a thread's columns 2t and 2t + 1 in one register, and the softmax works on
 (``_fp8_softmax_step_f16``): the row max and row sum fold pairs with one f16x2 instruction each, the exponent is
 one ``fma.rn.f16x2`` and ``ex2.approx.f16x2`` (two MUFU.EX2.F16), P448 goes to e4m3 from the pairs
 (``_pack_e4m3_pairs``). The scale c enters as a float16 value (``attention_fp8_fwd.f16_softmax_scale``), held at
->= 2^-24; a head where c could exceed F16_C_MAX (its largest K tile scale, KS_MAX) takes the fp32 scores: both
-forms are compiled, and each warpgroup picks one (``_fp8_attend_all``). The exponent's offset is rounded down, so
-the row max kept (and the LSE) is >= the scores' and P448 <= 448. Read from
+>= 2^-24, and the exponent's offset is rounded down, so the row max kept (and the LSE) is >= the scores' and
+P448 <= 448. Where c could exceed F16_C_MAX (the warpgroup's Q tile scale times its head's largest K tile scale,
+KS_MAX), an exponent's argument could leave float16's range: that warpgroup widens each pair to fp32 for the
+exponent's FMA (WIDE; both forms are compiled, ``_fp8_attend_all``). Its scores stay summed in float16, whose
+rounding (2^-11 of a score) is far below e4m3's of Q and K: against float64 at Q and K of 8, 30 and 1000 times
+N(0, 1), its output's error was within 0.7% of the fp32 scores' that took those heads before (benchmarks/NOTES.md,
+twenty-ninth session). Read from
 the sm_90 SASS at head_dim 128: 440 instructions a step against 464; 64 of them PRMT merging the two MUFU halves of
 each pair, twice (for the row sum and for the conversion). The scores' wgmma is waited for as it is issued:
 Triton 3.6 unpacks an asynchronous float16 accumulator into halves before its wait, and ptxas then serialises
-every wgmma of the kernel (C7514; 558 against 760 TFLOP/s on the H200, benchmarks/NOTES.md).
+every wgmma of the kernel (C7514; 558 against 760 TFLOP/s on the H200, benchmarks/NOTES.md). The float16 pairs
+take half the registers of fp32 scores, so three softmax warpgroups fit at head_dim 128 (160-168 registers each,
+``configs.FP8_HOPPER_FWD_CONFIGS``): 5-10% faster there without a mask than two.
 
 Per key block a warpgroup's work splits as in ``attention_fwd_hopper``: stage 1 (off-band) without masks,
 stage 2 (on-band: the diagonal and the ragged tail of seq_k) masked. ``attention_fp8_fwd`` dispatches here
@@ -70,7 +76,7 @@ LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, a
 # row max m and every score * c lie within 32768 * c of zero and the exponent's argument score * c - m + log2(448)
 # within 65536 * c + 9, below float16's 65504 for c < 0.9994
 F16_C_MAX = gl.constexpr(0.99)
-BLOCK_M = 128  # query rows per CTA: one Q scale tile, two softmax warpgroups
+Q_TILE = gl.constexpr(128)  # rows per Q scale tile (``fp8_tiles``): two softmax warpgroups' rows
 # The accumulator is kept in units of the current V tile's scale, but never below V_SCALE_SPAN times the largest
 # scale before it (nor below MIN_SCALE: an all-zero tile's scale is 0). Units of a tile of 2^-126 after one of 2^-6
 # multiplied the accumulator (up to ~2^17) by 2^120: an infinite output. With the floor it grows by 2^60 at most;
@@ -137,37 +143,52 @@ def _pairs_row_reduce(x, OP: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _fp8_softmax_step_f16(s, m_i, l_i, rows, start_n, seq_k, causal_offset, c, MASK: gl.constexpr,
-                          CAUSAL: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+                          CAUSAL: gl.constexpr, WIDE: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """``_fp8_softmax_step`` on raw scores s (64, BLOCK_N) summed in float16 (F16_SCORES), on f16 pairs: returns
     (P448 as (64, BLOCK_N // 2) int32 pairs in the accumulator's column order, new row max, new row sum, alpha).
 
-    c (<= F16_C_MAX) is used as the float16 value nearest it, at least 2^-24: for c = q_scale * k_scale * qk_scale
-    with power-of-two tile scales that is qk_scale rounded to float16, which ``attention_fp8_fwd`` makes it already.
-    The exponent's offset is rounded down in float16, so the max it stands for (kept as the row max) is >= the
-    scores' and P448 <= 448."""
+    Without WIDE (c <= F16_C_MAX) the exponent's argument is one ``fma.rn.f16x2`` a pair: c is used as the float16
+    value nearest it, at least 2^-24 (for c = q_scale * k_scale * qk_scale with power-of-two tile scales that is
+    qk_scale rounded to float16, which ``attention_fp8_fwd`` makes it already), and the exponent's offset is rounded
+    down in float16, so the max it stands for (kept as the row max) is >= the scores' and P448 <= 448. With WIDE
+    (a larger c, where score * c - m could leave float16's range) each pair is widened to fp32 for that FMA, with c
+    and the row max in fp32, and the argument (<= log2(448)) rounded toward zero to float16 for the exponential:
+    two FFMA and three conversions a pair instead of one HFMA2."""
     if MASK:
         s = _masked_scores(s, rows, start_n, seq_k, causal_offset, CAUSAL, s_layout, BLOCK_N)
     pairs = _f16_pairs(s, BLOCK_N)
     pair_rows: gl.constexpr = gl.SliceLayout(1, pairs.type.layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    # at least float16's smallest subnormal (2^-24): a masked score times 0 would be NaN; below it every |score * c|
-    # is under 2^-9 (|Q8 K8^T| <= 32768), so the change is below that
-    c16 = gl.maximum(c, 5.960464477539063e-08).to(gl.float16)
-    # every row sees key 0 (causal needs seq_q <= seq_k), so m_new is finite from block 0 on
-    m_new = gl.maximum(m_i, gl.convert_layout(_pairs_row_reduce(pairs, "max", BLOCK_N), row_s) * c16.to(gl.float32))
-    offset = gl.inline_asm_elementwise("{ .reg .b16 t; cvt.rm.f16.f32 t, $1; mov.b32 $0, {t, t}; }", "=r,r",
-                                       [gl.convert_layout(LOG2_448 - m_new, pair_rows)], dtype=gl.int32,
-                                       is_pure=True, pack=1)  # -(m - log2(448)), rounded down, as a pair
-    m_new = LOG2_448 - gl.convert_layout(gl.inline_asm_elementwise(
-        "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l; }", "=r,r", [offset], dtype=gl.float32,
-        is_pure=True, pack=1), row_s)
-    c_pair = gl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h",
-                                       [gl.full(pairs.shape, c16, gl.float16, layout=pairs.type.layout)],
-                                       dtype=gl.int32, is_pure=True, pack=1)
-    # P448 = exp2(s * c - m + log2(448)): one HFMA2 and two MUFU.EX2.F16 a pair
-    p = gl.inline_asm_elementwise("{ .reg .b32 t; fma.rn.f16x2 t, $1, $2, $3; ex2.approx.f16x2 $0, t; }",
-                                  "=r,r,r,r", [pairs, c_pair, gl.broadcast(offset[:, None], pairs)[0]],
-                                  dtype=gl.int32, is_pure=True, pack=1)
+    row_max = gl.convert_layout(_pairs_row_reduce(pairs, "max", BLOCK_N), row_s)
+    if WIDE:
+        # every row sees key 0 (causal needs seq_q <= seq_k), so m_new is finite from block 0 on
+        m_new = gl.maximum(m_i, row_max * c)
+        offset = gl.convert_layout(LOG2_448 - m_new, pair_rows)
+        # P448 = exp2(s * c - m + log2(448)): the argument in fp32, rounded toward zero to float16 (so <= log2(448)
+        # stays <= it: P448 <= 448), two MUFU.EX2.F16 a pair; cvt.f16x2.f32 puts its first source in the high half
+        p = gl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; .reg .f32 a, b; .reg .b32 t; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
+            "fma.rn.f32 a, a, $2, $3; fma.rn.f32 b, b, $2, $3; cvt.rz.f16x2.f32 t, b, a; ex2.approx.f16x2 $0, t; }",
+            "=r,r,r,r", [pairs, gl.full(pairs.shape, c, gl.float32, layout=pairs.type.layout),
+                         gl.broadcast(offset[:, None], pairs)[0]], dtype=gl.int32, is_pure=True, pack=1)
+    else:
+        # at least float16's smallest subnormal (2^-24): a masked score times 0 would be NaN; below it every
+        # |score * c| is under 2^-9 (|Q8 K8^T| <= 32768), so the change is below that
+        c16 = gl.maximum(c, 5.960464477539063e-08).to(gl.float16)
+        m_new = gl.maximum(m_i, row_max * c16.to(gl.float32))
+        offset = gl.inline_asm_elementwise("{ .reg .b16 t; cvt.rm.f16.f32 t, $1; mov.b32 $0, {t, t}; }", "=r,r",
+                                           [gl.convert_layout(LOG2_448 - m_new, pair_rows)], dtype=gl.int32,
+                                           is_pure=True, pack=1)  # -(m - log2(448)), rounded down, as a pair
+        m_new = LOG2_448 - gl.convert_layout(gl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l; }", "=r,r", [offset], dtype=gl.float32,
+            is_pure=True, pack=1), row_s)
+        c_pair = gl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h",
+                                           [gl.full(pairs.shape, c16, gl.float16, layout=pairs.type.layout)],
+                                           dtype=gl.int32, is_pure=True, pack=1)
+        # P448 = exp2(s * c - m + log2(448)): one HFMA2 and two MUFU.EX2.F16 a pair
+        p = gl.inline_asm_elementwise("{ .reg .b32 t; fma.rn.f16x2 t, $1, $2, $3; ex2.approx.f16x2 $0, t; }",
+                                      "=r,r,r,r", [pairs, c_pair, gl.broadcast(offset[:, None], pairs)[0]],
+                                      dtype=gl.int32, is_pure=True, pack=1)
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.convert_layout(_pairs_row_reduce(p, "add.rn", BLOCK_N), row_s)
     return p, m_new, l_new, alpha
@@ -242,8 +263,8 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem
                        VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
                        CAUSAL: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, KV_TILE: gl.constexpr,
-                       F16_SCORES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                       p_layout: gl.constexpr):
+                       F16_SCORES: gl.constexpr, WIDE: gl.constexpr, s_layout: gl.constexpr,
+                       o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [lo, hi). Step j: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together, the softmax of
     S_j under the latter, slot j - 1 handed back, then acc rescaled for m_j and to V tile j's units. Returns
     the state after block hi - 1 (p: its P448 packed as e4m3, not yet times V; vs_prev: acc's units, those of its
@@ -266,7 +287,7 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem
                                 is_async=True)
             _pass_turn(j, n_blocks, WG, CONSUMERS, PINGPONG)
             p, m_i, l_i, alpha = _fp8_softmax_step_f16(s, m_i, l_i, rows, j * BLOCK_N, seq_k, causal_offset, c,
-                                                       MASK, CAUSAL, s_layout, BLOCK_N)
+                                                       MASK, CAUSAL, WIDE, s_layout, BLOCK_N)
         else:
             s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(prev).permute((1, 0)), acc,
@@ -296,10 +317,11 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem
 def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks,
                     n_free, seq_k, causal_offset, qk_scale, CAUSAL: gl.constexpr, WG: gl.constexpr,
                     CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                    KV_TILE: gl.constexpr, F16_SCORES: gl.constexpr, s_layout: gl.constexpr,
+                    KV_TILE: gl.constexpr, F16_SCORES: gl.constexpr, WIDE: gl.constexpr, s_layout: gl.constexpr,
                     o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """All key blocks of one softmax warpgroup, the scores summed in float16 (F16_SCORES) or fp32: returns the
-    final (row max, row sum, acc, acc's units: the last V tile's, ``_v_units``)."""
+    """All key blocks of one softmax warpgroup, the scores summed in float16 (F16_SCORES; WIDE: the exponent's
+    argument in fp32, ``_fp8_softmax_step_f16``) or fp32: returns the final (row max, row sum, acc, acc's units: the
+    last V tile's, ``_v_units``)."""
     # block 0: scores and softmax only; its P V product is issued with block 1's scores
     c = _positive_score_scale(q_scale * gl.load(KS + kv_tile0) * qk_scale)
     vs_max = gl.load(VS + kv_tile0)
@@ -312,10 +334,10 @@ def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_
         _pass_turn(0, n_blocks, WG, CONSUMERS, PINGPONG)
         if n_free > 0:
             p, m_i, l_i, _ = _fp8_softmax_step_f16(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, False, CAUSAL,
-                                                   s_layout, BLOCK_N)
+                                                   WIDE, s_layout, BLOCK_N)
         else:
             p, m_i, l_i, _ = _fp8_softmax_step_f16(s, m_i, l_i, rows, 0, seq_k, causal_offset, c, True, CAUSAL,
-                                                   s_layout, BLOCK_N)
+                                                   WIDE, s_layout, BLOCK_N)
         p = _pack_e4m3_pairs(p, BLOCK_N)
     else:
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -332,11 +354,11 @@ def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_
     p, m_i, l_i, acc, vs_prev, vs_max = _fp8_attend_blocks(
         1, n_free, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS, kv_tile0,
         q_scale, n_blocks, seq_k, causal_offset, qk_scale, False, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N,
-        KV_TILE, F16_SCORES, s_layout, o_layout, p_layout)
+        KV_TILE, F16_SCORES, WIDE, s_layout, o_layout, p_layout)
     p, m_i, l_i, acc, vs_prev, vs_max = _fp8_attend_blocks(
         gl.maximum(n_free, 1), n_blocks, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem, vt_smem, ready, empty, rows,
         KS, VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, True, CAUSAL, WG, CONSUMERS, PINGPONG,
-        STAGES, BLOCK_N, KV_TILE, F16_SCORES, s_layout, o_layout, p_layout)
+        STAGES, BLOCK_N, KV_TILE, F16_SCORES, WIDE, s_layout, o_layout, p_layout)
     last = (n_blocks - 1) % STAGES
     acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(last).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -345,14 +367,17 @@ def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_
 
 
 @gluon.jit
-def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE, lse_row0, stride_om, stride_od,
-                           seq_q, seq_k, cta_start_m, q_scale, ks_max, kv_tile0, n_blocks, causal_offset, qk_scale,
+def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, QS, KS, VS, O, LSE, lse_row0, stride_om,
+                           stride_od, seq_q, seq_k, cta_start_m, ks_max, kv_tile0, n_blocks, causal_offset, qk_scale,
                            QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                            CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, F16_SCORES: gl.constexpr,
                            WG: gl.constexpr):
-    """Softmax warpgroup WG: query rows [start_m, start_m + 64), start_m = cta_start_m + 64 * WG."""
+    """Softmax warpgroup WG: query rows [start_m, start_m + 64), start_m = cta_start_m + 64 * WG. QS points at
+    this (batch, head)'s Q tile scales (tiles of 128 rows: a warpgroup's 64 rows lie in one)."""
     start_m = cta_start_m + WG * WG_ROWS
+    # a warpgroup wholly past seq_q (the last CTA's) reads the last tile's scale; its rows are never stored
+    q_scale = gl.load(QS + gl.minimum(start_m // Q_TILE, gl.cdiv(seq_q, Q_TILE) - 1))
     # FP8 wgmma: instruction k of 32 (bytes per row of a 32-element e4m3 slice)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -371,21 +396,23 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, KS, VS, O, LSE
     _finish_q_load(q_bar)
 
     if F16_SCORES:
-        # float16 scores only where no exponent can leave float16's range: c <= F16_C_MAX for every key tile of this
-        # head; else the fp32 scores (the same P448 and LSE arithmetic on the same quantised Q and K). With Q and
-        # K of N(0, 1) entries c is ~0.03 at head_dim 128's default scale, 0.51 with entries 4x larger, 2 at 8x
-        f16_ok = q_scale * ks_max * qk_scale <= F16_C_MAX
+        # the scores are summed in float16 (|Q8 K8^T| <= 32768 always); the exponent's argument too where it cannot
+        # leave float16's range: c <= F16_C_MAX for every key tile of this head; else in fp32 (WIDE). With Q and K
+        # of N(0, 1) entries c is ~0.03 at head_dim 128's default scale, 0.51 with entries 4x larger, 2 at 8x
+        if q_scale * ks_max * qk_scale <= F16_C_MAX:
+            m_i, l_i, acc, vs_prev = _fp8_attend_all(
+                q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks, n_free,
+                seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N, KV_TILE, True, False,
+                s_layout, o_layout, p_layout)
+        else:
+            m_i, l_i, acc, vs_prev = _fp8_attend_all(
+                q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks, n_free,
+                seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N, KV_TILE, True, True,
+                s_layout, o_layout, p_layout)
     else:
-        f16_ok = False
-    if f16_ok:
         m_i, l_i, acc, vs_prev = _fp8_attend_all(
             q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks, n_free,
-            seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N, KV_TILE, True,
-            s_layout, o_layout, p_layout)
-    else:
-        m_i, l_i, acc, vs_prev = _fp8_attend_all(
-            q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks, n_free,
-            seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N, KV_TILE, False,
+            seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N, KV_TILE, False, False,
             s_layout, o_layout, p_layout)
 
     # acc is in units of the last V tile (_v_units); the 448 of P448 cancels against l's
@@ -410,9 +437,9 @@ def attention_fp8_fwd_hopper_kernel(
     seq_q, seq_k, qk_scale,
     GROUP: gl.constexpr, QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, F16_SCORES: gl.constexpr,
+    CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, F16_SCORES: gl.constexpr,
 ):
-    """One program: 128 query rows of one (batch, head). Grid (cdiv(seq_q, 128), H_q, B).
+    """One program: 64 * CONSUMERS query rows of one (batch, head). Grid (cdiv(seq_q, 64 * CONSUMERS), H_q, B).
 
     Q8: (B, H_q, seq_q, QK_DIM) e4m3, QS: (B, H_q, cdiv(seq_q, 128)) fp32; K8: (B, H_kv, seq_k, QK_DIM) e4m3;
     VT8: (B, H_kv, HEAD_DIM, cdiv(seq_k, 32) * 32) e4m3 (V transposed, keys in ``fp8_quant._in_mma_key_order``,
@@ -421,7 +448,6 @@ def attention_fp8_fwd_hopper_kernel(
     stride on the last dims, other strides TMA-aligned. O: (B, H_q, seq_q, HEAD_DIM), LSE (B, H_q, seq_q)
     fp32 contiguous, log2 domain. qk_scale = softmax scale * log2(e) > 0.
     """
-    CONSUMERS: gl.constexpr = 2
     pid_m = gl.program_id(0)
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - pid_m  # heaviest blocks first: a shorter tail
@@ -441,7 +467,7 @@ def attention_fp8_fwd_hopper_kernel(
     vt_desc = tma.make_tensor_descriptor(VT8 + off_b.to(gl.int64) * stride_vtb + off_hk.to(gl.int64) * stride_vth,
                                          [HEAD_DIM, gl.cdiv(seq_k, 32) * 32], [stride_vtn, 1], [HEAD_DIM, BLOCK_N],
                                          vt_layout)
-    q_scale = gl.load(QS + (off_b.to(gl.int64) * heads_q + off_h) * gl.num_programs(0) + pid_m)
+    qs_base = QS + (off_b.to(gl.int64) * heads_q + off_h) * gl.cdiv(seq_q, Q_TILE)
     ks_max = 0.0
     if F16_SCORES:  # the largest K tile scale of this (batch, KV head): whether its scores fit float16
         ks_max = gl.load(KS_MAX + off_b.to(gl.int64) * (heads_q // GROUP) + off_hk)
@@ -462,17 +488,35 @@ def attention_fp8_fwd_hopper_kernel(
     if CAUSAL:
         n_blocks = gl.minimum(gl.cdiv(start_m + WG_ROWS * CONSUMERS + causal_offset, BLOCK_N), n_blocks)
     # the warpgroup entries differ only in WG, their last argument (literal tuples: see attention_fwd_hopper)
-    gl.warp_specialize([
-        (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, KS, VS, o_base, LSE, lse_row0, stride_om,
-                                  stride_od, seq_q, seq_k, start_m, q_scale, ks_max, kv_tile0, n_blocks, causal_offset,
-                                  qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
-                                  F16_SCORES, 0)),
-        (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, KS, VS, o_base, LSE, lse_row0, stride_om,
-                                  stride_od, seq_q, seq_k, start_m, q_scale, ks_max, kv_tile0, n_blocks, causal_offset,
-                                  qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
-                                  F16_SCORES, 1)),
-        (_kv_loader, (k_desc, vt_desc, k_smem, vt_smem, ready, empty, n_blocks, BLOCK_N, STAGES, True)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
+                                      stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
+                                      causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
+                                      CONSUMERS, PINGPONG, F16_SCORES, 0)),
+            (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
+                                      stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
+                                      causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
+                                      CONSUMERS, PINGPONG, F16_SCORES, 1)),
+            (_kv_loader, (k_desc, vt_desc, k_smem, vt_smem, ready, empty, n_blocks, BLOCK_N, STAGES, True)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 3, "CONSUMERS is 2 or 3")
+        gl.warp_specialize([
+            (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
+                                      stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
+                                      causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
+                                      CONSUMERS, PINGPONG, F16_SCORES, 0)),
+            (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
+                                      stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
+                                      causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
+                                      CONSUMERS, PINGPONG, F16_SCORES, 1)),
+            (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
+                                      stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
+                                      causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
+                                      CONSUMERS, PINGPONG, F16_SCORES, 2)),
+            (_kv_loader, (k_desc, vt_desc, k_smem, vt_smem, ready, empty, n_blocks, BLOCK_N, STAGES, True)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
 def attention_fp8_fwd_hopper(q8, q_scales, k8, k_scales, vt8, v_scales, out, lse, causal: bool, scale: float,
@@ -485,11 +529,11 @@ def attention_fp8_fwd_hopper(q8, q_scales, k8, k_scales, vt8, v_scales, out, lse
     head_dim, seq_k = vt8.shape[2], k8.shape[2]
     meta = {**fp8_hopper_fwd_meta(head_dim, causal), **overrides}
     ensure_scratch_allocator()
-    # float16 scores: each (batch, KV head)'s largest K tile scale, (B, H_kv) (the kernel falls back to fp32 scores
+    # float16 scores: each (batch, KV head)'s largest K tile scale, (B, H_kv) (the kernel widens the exponent
     # where a score could leave float16's range)
     k_scale_max = k_scales.amax(dim=2).contiguous() if meta["F16_SCORES"] else k_scales
     launch_kernel(
-        attention_fp8_fwd_hopper_kernel, (cdiv(seq_q, BLOCK_M), heads_q, batch),
+        attention_fp8_fwd_hopper_kernel, (cdiv(seq_q, WG_ROWS.value * meta["CONSUMERS"]), heads_q, batch),
         q8, q_scales, k8, k_scales, k_scale_max, vt8, v_scales, out, lse, *q8.stride()[:3], *k8.stride()[:3],
         *vt8.stride()[:3], *out.stride(), seq_q, seq_k, scale * LOG2E, GROUP=heads_q // k8.shape[1], QK_DIM=qk_dim,
         HEAD_DIM=head_dim, KV_TILE=kv_tile, CAUSAL=causal, **meta, num_warps=4)

@@ -256,18 +256,24 @@ def hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
                 CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
 
 # The FP8 Hopper forward of attention_fp8_fwd_hopper.py, per head_dim (Q / K rows after the rotation's padding,
-# equal to V's): (BLOCK_N, STAGES, consumer warpgroup registers, loader registers, ping-pong when causal,
-# ping-pong otherwise, scores summed in float16). Two consumer warpgroups (one 128-row Q scale tile). BLOCK_N
-# divides the K/V quantisation tile (FP8_FWD's BLOCK_N). Shared memory STAGES * 2 * BLOCK_N * D bytes of K and V^T
-# plus 128 * D of Q: 112 KB at D = 128, 160 KB at 256. Fixed, not swept: the sm_90 compile has no spills at these
-# register counts. Scores in float16 (F16_SCORES, head_dim 128 only: Q and K quantised to FP8_SCORES_AMAX, so
-# that |Q8 K8^T| <= 128 * 16 * 16 = 32768 fits float16; heads with larger Q and K take fp32 scores in the same
-# kernel): measured on the H200 (benchmarks/NOTES.md, twentieth session; the prototype without that fallback,
-# kernel alone, (4, 16, 4096, 128) / (1, 16, 16384, 128), TFLOP/s) 757-759 -> 783-803 at 4k, 620-626 -> 657-661
-# causal, 825-829 -> 887-891 at 16k, 804-810 -> 846-857 causal. At 256 the bound would be 65536.
+# equal to V's) and causal: (BLOCK_N, STAGES, softmax warpgroups, their registers, loader registers, ping-pong,
+# scores summed in float16). BLOCK_N divides the K/V quantisation tile (FP8_FWD's BLOCK_N); each warpgroup's 64 rows
+# lie in one 128-row Q scale tile. Shared memory STAGES * 2 * BLOCK_N * D bytes of K and V^T plus 64 * D per
+# warpgroup of Q: 120 KB at D = 128, 160 KB at 256. Registers: warpgroups * 128 threads * theirs plus 32 * the
+# loader's, within the SM's 64K. Fixed, not swept.
+# - Scores in float16 (F16_SCORES, head_dim 128 only, the same for both masks: Q and K are quantised to
+#   FP8_SCORES_AMAX, so that |Q8 K8^T| <= 128 * 16 * 16 = 32768 fits float16): measured on the H200
+#   (benchmarks/NOTES.md, twentieth session; kernel alone, (4, 16, 4096, 128) / (1, 16, 16384, 128), TFLOP/s)
+#   757-759 -> 783-803 at 4k, 620-626 -> 657-661 causal, 825-829 -> 887-891 at 16k, 804-810 -> 846-857 causal.
+#   At 256 the bound would be 65536.
+# - Three warpgroups at head_dim 128, without ping-pong (twenty-ninth session; kernel alone, same shapes, two
+#   rounds, TFLOP/s, against two warpgroups with ping-pong at 232 registers): 759-781 -> 835-836 at 4k (168
+#   registers; 803-810 at 160), 630-631 -> 633-636 causal (160; 621 at 168), 871 -> 912-931 at 16k (168),
+#   844-845 -> 864-866 causal (160; 826-835 at 168). With ping-pong: 796-800, 608-609, 882, 819-827 (160). ptxas
+#   spills 76 bytes (168, no mask) and 88 (160, causal), outside the unmasked float16 loop.
 FP8_HOPPER_FWD_CONFIGS = {
-    128: (128, 3, 232, 40, True, True, True),
-    256: (128, 2, 240, 24, True, True, False),
+    128: {False: (128, 3, 3, 168, 24, False, True), True: (128, 3, 3, 160, 24, False, True)},
+    256: {False: (128, 2, 2, 240, 24, True, False), True: (128, 2, 2, 240, 24, True, False)},
 }
 # The magnitude Q's and K's tiles are quantised to where the FP8 Hopper forward sums their scores in float16
 # (``fp8_quantize``'s amax_to): 16 * 16 per product, 32768 over head_dim 128, below float16's 65504.
@@ -282,10 +288,10 @@ FP8_HOPPER_FWD_MIN_SEQ = {(128, False): 2048, (128, True): 4096, (256, False): 5
 
 
 def fp8_hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
-    """The FP8 Hopper forward kernel's constexprs for ``head_dim`` (a key of FP8_HOPPER_FWD_CONFIGS)."""
-    block_n, stages, consumer_regs, loader_regs, pp_causal, pp_full, f16 = FP8_HOPPER_FWD_CONFIGS[head_dim]
-    return dict(BLOCK_N=block_n, STAGES=stages, PINGPONG=pp_causal if causal else pp_full,
-                CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, F16_SCORES=f16)
+    """The FP8 Hopper forward kernel's constexprs for ``head_dim`` (a key of FP8_HOPPER_FWD_CONFIGS) and ``causal``."""
+    block_n, stages, consumers, consumer_regs, loader_regs, pingpong, f16 = FP8_HOPPER_FWD_CONFIGS[head_dim][causal]
+    return dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, CONSUMER_REGS=consumer_regs,
+                LOADER_REGS=loader_regs, F16_SCORES=f16)
 
 
 # Below these sequence lengths (the longer of seq_q, seq_k) the Triton forward is as fast or faster on the H200

@@ -466,12 +466,30 @@ def test_fp8_hopper_forward_f16_scores_backward(causal, monkeypatch):
 @pytest.mark.parametrize("magnitude", [1e-4, 8.0, 1e3], ids=str)
 def test_fp8_hopper_forward_f16_scores_at_extreme_magnitudes(magnitude, causal, monkeypatch):
     """Q and K scaled until the float16 scores' scale c underflows float16 (1e-4: held at 2^-24) or would let an
-    exponent overflow it (8 and 1e3: those heads take the fp32 scores): finite, and as close to float64 attention
-    as the Triton FP8 kernel (within 10%, +1e-3; both are far off at 1e3, where the softmax is one-hot and e4m3's
-    rounding of Q and K moves the argmax)."""
+    exponent overflow it (8 and 1e3: those warpgroups take the exponent in fp32): finite, and as close to float64
+    attention as the Triton FP8 kernel (within 10%, +1e-3; both are far off at 1e3, where the softmax is one-hot and
+    e4m3's rounding of Q and K moves the argmax)."""
     torch.manual_seed(11)
     q, k, v = (randn(1, 4, 1000, 128, dtype=torch.bfloat16) for _ in range(3))
     q, k = (q * magnitude).bfloat16(), (k * magnitude).bfloat16()
+    assert_fp8_hopper_forward_as_close_as_triton(q, k, v, causal, monkeypatch)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [128, 256], ids=str)
+@pytest.mark.parametrize("factors", [(1, 8, 1 / 8, 64, 1, 1 / 64, 8, 1), (64, 1, 1, 64, 1, 64, 1, 64)],
+                         ids=["mixed", "64_and_1"])
+def test_fp8_hopper_forward_q_tiles_of_other_magnitudes(factors, head_dim, causal, monkeypatch):
+    """Q's 128-row scale tiles times the given factors, over 1000 rows (the last tile ragged): each softmax
+    warpgroup (64 rows; three a CTA at head_dim 128, so a CTA spans two Q tiles) must take its own tile's scale, and
+    at head_dim 128 a tile of 64 puts c past F16_C_MAX (~1.9 against ~0.03 for N(0, 1) entries), so warpgroups of
+    one CTA take the float16 and the fp32 exponent side by side. As close to float64 attention as the Triton FP8
+    kernel (within 10%, +1e-3)."""
+    torch.manual_seed(19)
+    scale = torch.tensor(factors, device="cuda", dtype=torch.float64).repeat_interleave(128)[:1000, None]
+    q = (randn(1, 2, 1000, head_dim, dtype=torch.float64) * scale).bfloat16()
+    k, v = (randn(1, 2, 1000, head_dim, dtype=torch.bfloat16) for _ in range(2))
     assert_fp8_hopper_forward_as_close_as_triton(q, k, v, causal, monkeypatch)
 
 

@@ -47,6 +47,23 @@ def test_hopper_forward_configs_cover_their_thresholds():
         assert (meta["STAGES"] * 2 * meta["BLOCK_N"] + meta["CONSUMERS"] * 64) * head_dim * 2 <= 227 * 1024
 
 
+def test_fp8_hopper_forward_configs_fit_an_sm90():
+    """Every head_dim and mask of the FP8 Hopper forward: shared memory (K and V^T rings of e4m3, 64 Q rows per
+    softmax warpgroup) within sm_90's 227 KB, registers (the warpgroups and the loader warp) within the SM's 64K,
+    two or three warpgroups (64 rows each, inside one 128-row Q scale tile), BLOCK_N dividing the K/V tile, one
+    F16_SCORES for both masks (the quantisation decides Q's and K's magnitude from head_dim alone), and a minimum
+    sequence for both masks."""
+    for head_dim in configs.FP8_HOPPER_FWD_CONFIGS:
+        assert {(head_dim, False), (head_dim, True)} <= set(configs.FP8_HOPPER_FWD_MIN_SEQ)
+        full, causal = (configs.fp8_hopper_fwd_meta(head_dim, c) for c in (False, True))
+        assert full["F16_SCORES"] == causal["F16_SCORES"]
+        for meta in (full, causal):
+            assert meta["CONSUMERS"] in (2, 3)
+            assert (meta["STAGES"] * 2 * meta["BLOCK_N"] + meta["CONSUMERS"] * 64) * head_dim <= 227 * 1024
+            assert meta["CONSUMERS"] * 128 * meta["CONSUMER_REGS"] + 32 * meta["LOADER_REGS"] <= 65536
+            assert configs.FP8_FWD[head_dim][1] % meta["BLOCK_N"] == 0  # the GPU's K/V tile
+
+
 def test_hopper_backward_modes():
     assert configs.hopper_backward_mode() == "auto"
     with configs.hopper_backward("always"):
