@@ -397,8 +397,9 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, QS, KS, VS, O,
 
     if F16_SCORES:
         # the scores are summed in float16 (|Q8 K8^T| <= 32768 always); the exponent's argument too where it cannot
-        # leave float16's range: c <= F16_C_MAX for every key tile of this head; else in fp32 (WIDE). With Q and K
-        # of N(0, 1) entries c is ~0.03 at head_dim 128's default scale, 0.51 with entries 4x larger, 2 at 8x
+        # leave float16's range: c <= F16_C_MAX for this warpgroup's Q tile and every key tile of its head; else in
+        # fp32 (WIDE). With Q and K of N(0, 1) entries c is ~0.03 at head_dim 128's default scale, 0.51 with entries
+        # 4x larger, 2 at 8x
         if q_scale * ks_max * qk_scale <= F16_C_MAX:
             m_i, l_i, acc, vs_prev = _fp8_attend_all(
                 q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks, n_free,
@@ -469,7 +470,7 @@ def attention_fp8_fwd_hopper_kernel(
                                          vt_layout)
     qs_base = QS + (off_b.to(gl.int64) * heads_q + off_h) * gl.cdiv(seq_q, Q_TILE)
     ks_max = 0.0
-    if F16_SCORES:  # the largest K tile scale of this (batch, KV head): whether its scores fit float16
+    if F16_SCORES:  # the largest K tile scale of this (batch, KV head): whether its exponents fit float16
         ks_max = gl.load(KS_MAX + off_b.to(gl.int64) * (heads_q // GROUP) + off_hk)
     kv_tile0 = (off_b.to(gl.int64) * (heads_q // GROUP) + off_hk) * gl.cdiv(seq_k, KV_TILE)
     o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
