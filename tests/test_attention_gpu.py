@@ -487,8 +487,8 @@ def test_fp8_hopper_forward_q_tiles_of_other_magnitudes(factors, head_dim, causa
     one CTA take the float16 and the fp32 exponent side by side. As close to float64 attention as the Triton FP8
     kernel (within 10%, +1e-3)."""
     torch.manual_seed(19)
-    scale = torch.tensor(factors, device="cuda", dtype=torch.float64).repeat_interleave(128)[:1000, None]
-    q = (randn(1, 2, 1000, head_dim, dtype=torch.float64) * scale).bfloat16()
+    row_factors = torch.tensor(factors, device="cuda", dtype=torch.float64).repeat_interleave(128)[:1000, None]
+    q = (randn(1, 2, 1000, head_dim, dtype=torch.float64) * row_factors).bfloat16()
     k, v = (randn(1, 2, 1000, head_dim, dtype=torch.bfloat16) for _ in range(2))
     assert_fp8_hopper_forward_as_close_as_triton(q, k, v, causal, monkeypatch)
 
