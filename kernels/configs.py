@@ -282,10 +282,12 @@ FP8_SCORES_AMAX = 16.0
 
 
 # As HOPPER_FWD_MIN_SEQ for the FP8 Hopper forward: (head_dim, causal) -> shortest sequence in "auto" mode, None
-# for never. From benchmarks/results/fp8_fwd_thresholds_h200_2026-11-30.csv (the fp8="forward" op with either
-# kernel, B * N = 16k tokens, H * D = 2048), Triton time / Hopper time: head_dim 128 full 0.95 at 1k, 1.05 at 2k,
-# 1.13 at 4k; causal 0.98 at 2k, 1.06 at 4k; head_dim 256 full 1.12 and causal 1.04 at 512 (the shortest measured).
-FP8_HOPPER_FWD_MIN_SEQ = {(128, False): 2048, (128, True): 4096, (256, False): 512, (256, True): 512}
+# for never. The fp8="forward" op's forward with either kernel, B * N = 16k tokens, H * D = 2048, Triton time /
+# Hopper time. head_dim 128 (benchmarks/results/fp8_fwd_thresholds_h200_2026-12-01.csv, the three-warpgroup kernel,
+# GPU time by CUDA-graph replay): full 1.04 at 1k, 1.19 at 2k, 1.27 at 4k; causal 0.89 at 1k, 1.03 at 2k, 1.15 at
+# 4k. head_dim 256 (fp8_fwd_thresholds_h200_2026-11-30.csv): full 1.12 and causal 1.04 at 512 (the shortest
+# measured).
+FP8_HOPPER_FWD_MIN_SEQ = {(128, False): 1024, (128, True): 2048, (256, False): 512, (256, True): 512}
 
 
 def fp8_hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
