@@ -52,7 +52,9 @@ take half the registers of fp32 scores, so three softmax warpgroups fit at head_
 ``configs.FP8_HOPPER_FWD_CONFIGS``): 5-10% faster there without a mask than two.
 
 Per key block a warpgroup's work splits as in ``attention_fwd_hopper``: stage 1 (off-band) without masks,
-stage 2 (on-band: the diagonal and the ragged tail of seq_k) masked. ``attention_fp8_fwd`` dispatches here
+stage 2 (on-band: the diagonal and the ragged tail of seq_k) masked. With three warpgroups (192-row CTAs) each
+stops at the last block its own rows see and hands the CTA's later blocks back unread (``_skip_blocks``); a
+warpgroup past seq_q reads none. ``attention_fp8_fwd`` dispatches here
 where ``fp8_hopper_forward_applies``.
 """
 
@@ -394,11 +396,11 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, QS, KS, VS, O,
 
     if CONSUMERS * WG_ROWS > BLOCK_N:
         # the CTA's key blocks that this warpgroup's rows see. Causal, with 192-row CTAs and 128-key blocks, the
-        # first two warpgroups' rows end a block before the CTA's on every other CTA; and a warpgroup wholly past
-        # seq_q (the last CTA's where seq_q is not a multiple of 192, as 4096) sees none. Skipping them: +3% at
-        # 4k causal, +6% at 2k causal on the H200, outputs bit-identical. Not compiled for 128-row CTAs, which
-        # would skip only with seq_k > seq_q or a last CTA of at most 64 rows, and whose loop the branch slowed
-        # by 1% (benchmarks/NOTES.md, thirtieth session)
+        # first warpgroup's rows end a block before the CTA's on every CTA, the second's on every other; and a
+        # warpgroup wholly past seq_q (the last CTA's where seq_q is not a multiple of 192, as 4096) sees none.
+        # Skipping them: +3-5% at 4k causal, +7% at 2k causal on the H200, outputs bit-identical. Not compiled for
+        # 128-row CTAs, which would skip only with seq_k > seq_q or a last CTA of at most 64 rows, and where the
+        # branch lengthened the loop and cost ~1% (benchmarks/NOTES.md, thirtieth session)
         wg_blocks = n_blocks
         if CAUSAL:
             wg_blocks = gl.minimum(gl.cdiv(start_m + WG_ROWS + causal_offset, BLOCK_N), n_blocks)

@@ -426,9 +426,10 @@ def assert_fp8_hopper_forward_agrees(out, lse, ref_out, ref_lse, head_dim):
 def test_fp8_hopper_forward_odd_shapes(shape, causal, monkeypatch):
     """The FP8 Hopper forward against the Triton FP8 kernel (``assert_fp8_hopper_forward_agrees``) and as close to
     float64 attention as it, within 2% (bf16 inputs, GQA, seq_q != seq_k, ragged tails, outputs poisoned). Among
-    them, warpgroups that skip some of their CTA's key blocks (causal, a warpgroup's rows ending a block or more
-    before the CTA's: 129, 200, 4096 at head_dim 128, 100 x 357 with ping-pong at 256) or all of them (rows past
-    seq_q: 200, 4096; 50 x 300 with ping-pong)."""
+    them, at head_dim 128 (three warpgroups), warpgroups that skip some of their CTA's key blocks (causal rows
+    ending a block before the CTA's: 129, 200, 4096) or all of them (rows past seq_q: 200, 4096); at 256 (two
+    warpgroups with ping-pong, which run every block of their CTA) seq_k > seq_q (100 x 357) and a warpgroup past
+    seq_q (50 x 300)."""
     batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
     torch.manual_seed(seq_q + head_dim)
     q = randn(batch, heads_q, seq_q, head_dim, dtype=torch.bfloat16)
