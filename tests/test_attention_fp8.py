@@ -448,3 +448,18 @@ def test_scale_argument(device):
                             smooth_k=True)
     assert rel_error(out, exact) <= 1.1 * rel_error(sim, exact) + 1e-3
     assert not math.isclose(rel_error(out, exact), 0.0)
+
+
+def test_fp8_hopper_launcher_checks_the_q_tiles():
+    """The FP8 Hopper forward reads one Q scale per tile of 128 rows: scales of other tiles are refused on the
+    host, with the shapes named (checked before anything is launched, so this runs on the CPU)."""
+    from flashtrain.kernels.attention_fp8_fwd_hopper import attention_fp8_fwd_hopper
+
+    q8 = torch.zeros(1, 2, 300, 128, dtype=torch.float8_e4m3fn)
+    vt8 = torch.zeros(1, 2, 128, 320, dtype=torch.float8_e4m3fn)
+    k_scales = torch.ones(1, 2, 3)
+    q_scales_of_64_rows = torch.ones(1, 2, 5)
+    out, lse = torch.empty(1, 2, 300, 128, dtype=torch.bfloat16), torch.empty(1, 2, 300)
+    with pytest.raises(ValueError, match=r"q_scales: expected one scale per tile of 128 query rows, 3 for "
+                                         r"seq_q=300; got shape \(1, 2, 5\)"):
+        attention_fp8_fwd_hopper(q8, q_scales_of_64_rows, q8, k_scales, vt8, k_scales, out, lse, True, 0.1, 128)

@@ -421,10 +421,15 @@ def assert_fp8_hopper_forward_agrees(out, lse, ref_out, ref_lse, head_dim):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 1, 128), (1, 2, 2, 129, 129, 128), (2, 4, 2, 200, 333, 128),
                                    (1, 2, 2, 37, 1000, 128), (1, 4, 1, 300, 300, 256), (2, 3, 3, 1000, 1000, 256),
-                                   (1, 4, 2, 4096, 4096, 128)], ids=str)
+                                   (1, 4, 2, 4096, 4096, 128), (1, 2, 1, 100, 357, 256), (1, 2, 1, 50, 300, 256)],
+                         ids=str)
 def test_fp8_hopper_forward_odd_shapes(shape, causal, monkeypatch):
     """The FP8 Hopper forward against the Triton FP8 kernel (``assert_fp8_hopper_forward_agrees``) and as close to
-    float64 attention as it, within 2% (bf16 inputs, GQA, seq_q != seq_k, ragged tails, outputs poisoned)."""
+    float64 attention as it, within 2% (bf16 inputs, GQA, seq_q != seq_k, ragged tails, outputs poisoned). Among
+    them, at head_dim 128 (three warpgroups), warpgroups that skip some of their CTA's key blocks (causal rows
+    ending a block before the CTA's: 129, 200, 4096) or all of them (rows past seq_q: 200, 4096); at 256 (two
+    warpgroups with ping-pong, which run every block of their CTA) seq_k > seq_q (100 x 357) and a warpgroup past
+    seq_q (50 x 300)."""
     batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
     torch.manual_seed(seq_q + head_dim)
     q = randn(batch, heads_q, seq_q, head_dim, dtype=torch.bfloat16)
