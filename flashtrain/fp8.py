@@ -26,12 +26,15 @@ Numerics:
   Walsh-Hadamard transform kernel (``flashtrain.kernels.hadamard``, O(d log d)) wherever fp32 holds the sums
   exactly (16-bit inputs: nearly always). The inverse (dQ and dK back, the gradient) is the transform kernel's
   butterfly: its own pass in ``fp8="forward"``'s backward, inside the FP8 kernels in ``fp8="full"``'s.
-* K smoothing (``smooth_k``, on by default): before the quantisation, K loses its mean over the sequence (per
-  batch and KV head, computed in fp32; with the rotation, its rotated rows lose the rotated mean, in fp32, and are
-  rounded once to the input dtype: the same in exact arithmetic, and K's rows enter the rotation's matmul as loaded;
-  without it, the difference is rounded to the input dtype). Each
-  query's scores move by one constant, -scale * q_i . mean(K), which softmax ignores, so the output is
-  unchanged in exact arithmetic; the LSE moves by that constant and is corrected back when returned (fp32).
+* K smoothing (``smooth_k``, on by default): before the quantisation, K loses a vector m, the mean of a sample
+  of its keys (per batch and KV head, in fp32: every (N // 256)-th key from key 0, 256 to 511 of them, all keys
+  below 512); with the rotation, its rotated rows lose the rotated m, in fp32, and are
+  rounded once to the input dtype: the same in exact arithmetic, and K's rows enter the rotation's matmul as
+  loaded; without it, the difference is rounded to the input dtype. Each query's scores move by one constant,
+  -scale * q_i . m, which softmax ignores for any m, so the output is unchanged in exact arithmetic; the LSE
+  moves by that constant and is corrected back when returned (fp32). The sample's mean is within about
+  std / 16 of the full one per channel (std of the keys' own spread), far below the component it removes, and
+  it spares the op a read of all of K (``configs.SMOOTHING_KEYS``).
   Without it, a component all keys share (trained transformers' keys often have one; SageAttention, Zhang et
   al. 2024, smooths K for the same reason) sets the tiles' scales and coarsens the rounding of what tells the
   keys apart, and in ``fp8="full"`` it multiplies dS's rounding error in dQ = dS K: dS's rows sum to zero, so
@@ -41,10 +44,12 @@ Numerics:
   attention: output 8.1% -> 4.5%, ``"full"``'s dQ 20% -> 6.6%, dK 9.3% -> 6.6%, dV 8.2% -> 4.7%, the LSE
   0.26 -> 0.04 (largest absolute error). Without a shared component the errors stay within 4% of the
   unsmoothed ones (``"full"``'s dV 4.7% -> 4.8%, the LSE 0.049 -> 0.042). The subtraction runs inside the
-  quantisation kernel (after its rotation), after one reduction for the mean; dK goes back through the
-  centring in the op's backward (``kernels.centring``: one pass; in ``fp8="full"`` its mean from the dK kernel's
-  per-program key sums; in ``fp8="forward"``'s, inside the inverse rotation's pass), and the returned LSE's
-  correction through plain autograd.
+  quantisation kernel (after its rotation). In the backward, dK is centred over all keys (``kernels.centring``:
+  one pass; in ``fp8="full"`` its mean from the dK kernel's per-program key sums; in ``fp8="forward"``'s,
+  inside the inverse rotation's pass): the output's exact dK sums to zero over the keys, so that takes off
+  the part of the rounding error all keys share; the LSE's exact dK sums to scale * sum_i dlse_i q_i, which
+  the returned LSE's correction puts back through plain autograd (its term q_i . m has m's value and the
+  gradient of the mean over all keys).
 * Forward (``flashtrain.kernels.attention_fp8_fwd``): Q (rotated), K (rotated) and V are quantised per
   tile (Q in tiles of the kernel's BLOCK_M rows, K and V of BLOCK_N rows); V is quantised straight into its
   transposed layout (K-major, the layout FP8 tensor cores take for the right operand of P V). S = Q8 K8^T
@@ -177,15 +182,21 @@ def _rotation_signs(head_dim: int, device: torch.device) -> Tensor:
 
 
 def _seq_mean(x: Tensor) -> Tensor:
-    """x (B, H, N, D)'s mean over the sequence, (B, H, D) in fp32. K smoothing subtracts K's inside the
-    rotation or quantisation kernel, which rounds the difference to K's dtype as ``_centred`` does."""
+    """x (B, H, N, D)'s mean over the sequence, (B, H, D) in fp32."""
     return x.mean(dim=2, dtype=torch.float32)
 
 
+def _smoothing_mean(k: Tensor) -> Tensor:
+    """K smoothing's vector for k (B, H_kv, N, D): the mean of every ``smoothing_stride(N)``-th key, (B, H_kv, D) in
+    fp32. The rotation or quantisation kernel subtracts it and rounds the difference to K's dtype as ``_centred``
+    does."""
+    return _seq_mean(k[:, :, ::configs.smoothing_stride(k.shape[2])])
+
+
 def _centred(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """x minus ``_seq_mean(x)``, in x's dtype (or ``dtype``): what K smoothing does to K (there fused into a
-    kernel), and, the centring being a symmetric projection and so its own Jacobian, what the backward does to
-    dK: the mean, then one kernel pass that subtracts it in fp32 and rounds once (``kernels.centring``: the bits
+    """x minus ``_seq_mean(x)``, in x's dtype (or ``dtype``): what the backward does to dK with K smoothing (the
+    output's exact dK sums to zero over the keys; this takes off the part of the rounding error they share):
+    the mean, then one kernel pass that subtracts it in fp32 and rounds once (``kernels.centring``: the bits
     of ``(x - mean).to(dtype)``)."""
     return centre(x, _seq_mean(x), dtype)
 
@@ -220,12 +231,12 @@ def _fp8_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, rotate
     rotating and quantising again: fp8="forward"'s (q8_t and k8_t empty) and fp8="full"'s where it reads the
     forward's tiles (``_backward_reads_forward_tiles``; q8_t and k8_t are then the transposed copies, whole
     buffers (``_padded_rows``), and an all-zero Q tile's scale is 0). Otherwise for fp8="full" all six are empty
-    and its backward quantises Q and K itself. With smooth_k, the kernels see ``_centred(k)`` and lse is the LSE
-    of those scores; k_mean, ``_seq_mean(k)`` (empty without smooth_k), is an output for the backward that
-    centres K again."""
+    and its backward quantises Q and K itself. With smooth_k, the kernels see k minus k_mean and lse is the LSE
+    of those scores; k_mean, ``_smoothing_mean(k)`` (empty without smooth_k), is an output for the backward that
+    centres K again and for the LSE's correction."""
     # Q M (K M)^T = Q K^T for the orthogonal M: only the quantisation sees the rotation (and the centring)
     signs = _rotation_signs(q.shape[-1], q.device) if rotate else None
-    k_mean = _seq_mean(k) if smooth_k else None
+    k_mean = _smoothing_mean(k) if smooth_k else None
     qk_dim = q.shape[-1] if signs is None else signs.numel()
     both_layouts = fp8_backward and _backward_reads_forward_tiles(q, k, qk_dim)
     out, lse, quantized = attention_fp8_fwd(q, k, v, causal, scale, signs, k_mean, both_layouts=both_layouts)
@@ -420,17 +431,23 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, m
     """The FP8 path of ``flash_attention`` (inputs already validated there). Returns (out, log2-domain LSE),
     the LSE only if ``need_lse`` (None otherwise).
 
-    With smooth_k the kernels see K - mean(K): query i's scores all move by -scale * q_i . mean(K), which
-    softmax ignores, and the LSE by the same, added back here (plain autograd: its gradient reaches q and k).
+    With smooth_k the kernels see K - m (m = ``_smoothing_mean(K)``): query i's scores all move by
+    -scale * q_i . m, which softmax ignores, and the LSE by the same, added back here (plain autograd: its
+    gradient reaches q and k).
     """
     # where the FP8 Hopper forward sums the scores in float16 it applies the scale as a float16 value: the op and
     # its backward take that one
     scale = fp8_forward_scale(q, k, causal, scale, padded_dim(q.shape[-1]) if hadamard else q.shape[-1])
     attend = _attention_fp8_fwd_op if torch.compiler.is_compiling() else _EagerFP8Attention.apply
-    out, lse = attend(q, k, v, causal, scale, hadamard, mode == "full", smooth_k)[:2]
+    out, lse, *_, k_mean = attend(q, k, v, causal, scale, hadamard, mode == "full", smooth_k)
     if not need_lse:
         return out, None
-    if smooth_k:  # q_i . mean(K) per row, mean(K) shared by the query heads of a GQA group
-        shift = torch.einsum("bhgnd,bhd->bhgn", q.float().unflatten(1, (k.shape[1], -1)), _seq_mean(k))
+    if smooth_k:
+        # q_i . k_mean per row (k_mean shared by the query heads of a GQA group): k_mean's value, with the gradient
+        # of the mean of all keys. The backward centres dK over all keys: the output's exact dK sums to zero over
+        # the keys, while the LSE's sums to scale * sum_i dlse_i q_i, which this term's gradient puts back.
+        full_mean = _seq_mean(k)
+        k_mean = k_mean + (full_mean - full_mean.detach())
+        shift = torch.einsum("bhgnd,bhd->bhgn", q.float().unflatten(1, (k.shape[1], -1)), k_mean)
         lse = lse + shift.flatten(1, 2) * (scale * LOG2E)  # the log2-domain LSE, (B, H_q, N_q)
     return out, lse

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .kernels import configs
 from .kernels.fp8_quant import MIN_SCALE  # a constant: the smallest scale the kernels give (2^-126)
 # the +-1 matrix only (a constant): hadamard_ref's matmul with it stays independent of the butterfly kernel
 from .kernels.hadamard import hadamard_matrix
@@ -116,23 +117,29 @@ def _e4m3_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-448.0, 448.0).float().to(torch.float8_e4m3fn).double() * scale
 
 
+def smoothing_mean_ref(k: torch.Tensor) -> torch.Tensor:
+    """The vector K smoothing subtracts: the mean of every ``configs.smoothing_stride(N)``-th key of k (B, H_kv, N,
+    D), per batch and KV head, in float32, (B, H_kv, 1, D)."""
+    return k[:, :, ::configs.smoothing_stride(k.shape[2])].mean(dim=2, keepdim=True, dtype=torch.float32)
+
+
 def smooth_keys_ref(k: torch.Tensor) -> torch.Tensor:
-    """K minus its mean over the sequence (per batch and KV head; mean in float32), in K's dtype: what
-    ``flash_attention(..., fp8=..., smooth_k=True)`` hands the FP8 kernels."""
-    return (k - k.mean(dim=2, keepdim=True, dtype=torch.float32)).to(k.dtype)
+    """K minus ``smoothing_mean_ref(k)``, in K's dtype: what ``flash_attention(..., fp8=..., smooth_k=True)``
+    hands the FP8 kernels."""
+    return (k - smoothing_mean_ref(k)).to(k.dtype)
 
 
 def scores_operands_ref(q: torch.Tensor, k: torch.Tensor, signs: torch.Tensor | None = None,
                         smooth_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q, K) as the FP8 kernels' scores take them, in the inputs' dtypes. With ``signs`` both rotated
-    (``hadamard_ref``), and with ``smooth_k`` K's rotated rows minus its rotated mean over the sequence (mean in
-    float32), in float64 with one rounding (``fp8_quantize(k, mean=, signs=)``); without a rotation
+    (``hadamard_ref``), and with ``smooth_k`` K's rotated rows minus the rotated ``smoothing_mean_ref(k)``, in
+    float64 with one rounding (``fp8_quantize(k, mean=, signs=)``); without a rotation
     ``smooth_keys_ref(k)``."""
     if signs is None:
         return q, smooth_keys_ref(k) if smooth_k else k
     if not smooth_k:
         return hadamard_ref(q, signs), hadamard_ref(k, signs)
-    mean = k.mean(dim=2, keepdim=True, dtype=torch.float32)
+    mean = smoothing_mean_ref(k)
     return hadamard_ref(q, signs), (_rotated64(k, signs) - _rotated64(mean, signs)).to(k.dtype)
 
 
@@ -251,7 +258,7 @@ def fp8_attention_bwd_ref(q, k, v, out, lse, dout, *, tiles, causal=False, scale
     head_dim = v.shape[-1]  # q's, also where q comes rotated (_operands_ready) and wider
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if smooth_k:
-        k_mean = k.mean(dim=2, keepdim=True, dtype=torch.float32).double()
+        k_mean = smoothing_mean_ref(k).double()
         group = q.shape[1] // k.shape[1]
         shift = (q.double().unflatten(1, (k.shape[1], group)) @ k_mean.unsqueeze(2).transpose(-1, -2))
         lse = lse.double() - scale * shift.flatten(1, 2)[..., 0]  # the centred scores' LSE

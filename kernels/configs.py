@@ -281,6 +281,19 @@ FP8_HOPPER_FWD_CONFIGS = {
 FP8_SCORES_AMAX = 16.0
 
 
+# K smoothing (``flashtrain.fp8``) subtracts the mean of every (N // SMOOTHING_KEYS)-th key from key 0 (all keys
+# below 2 * SMOOTHING_KEYS): any vector leaves the softmax unchanged, and the mean of 256 to 511 keys is within
+# ~std / 16 of the full one per channel, far below the shared component it takes off. The mean over all keys read
+# all of K once more before its quantisation: 31-36 us of the FP8 forward's ~570 at (4, 16, 4096, 128) causal on
+# the H200 (benchmarks/NOTES.md, twenty-first and thirty-first sessions).
+SMOOTHING_KEYS = 256
+
+
+def smoothing_stride(seq: int) -> int:
+    """The step between the keys whose mean K smoothing subtracts, for ``seq`` keys."""
+    return max(1, seq // SMOOTHING_KEYS)
+
+
 # As HOPPER_FWD_MIN_SEQ for the FP8 Hopper forward: (head_dim, causal) -> shortest sequence in "auto" mode, None
 # for never. The fp8="forward" op's forward with either kernel, B * N = 16k tokens, H * D = 2048, Triton time /
 # Hopper time. head_dim 128 (benchmarks/results/fp8_fwd_thresholds_h200_2026-12-01.csv, the three-warpgroup kernel,
