@@ -151,8 +151,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         smooth_k: with fp8, subtract the keys' mean over the sequence (per batch and KV head; the mean of
             every (N // 256)-th key, ``flashtrain.fp8``) before quantising. Softmax is unchanged (each
             query's scores move by one constant), and the tiles' scales no longer carry the component all
-            keys share, which would otherwise dominate K's rounding and, in fp8="full", dQ's (dS's rows sum to zero, so dQ = dS K cancels that component; its rounding
-            error does not). The returned LSE is corrected back. On by default; ignored without fp8.
+            keys share, which would otherwise dominate K's rounding and, in fp8="full", dQ's (dS's rows sum
+            to zero, so dQ = dS K cancels that component; its rounding error does not). The returned LSE
+            is corrected back. On by default; ignored without fp8.
 
     dtypes: float16, bfloat16, float32 (full fp32 products unless ``torch.backends.cuda.matmul.allow_tf32``)
     and float64; q, k and v share one and the output has it. head_dim 1..256, any sequence lengths.

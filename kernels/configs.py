@@ -284,8 +284,8 @@ FP8_SCORES_AMAX = 16.0
 # K smoothing (``flashtrain.fp8``) subtracts the mean of every (N // SMOOTHING_KEYS)-th key from key 0 (all keys
 # below 2 * SMOOTHING_KEYS): any vector leaves the softmax unchanged, and the mean of 256 to 511 keys is within
 # ~std / 16 of the full one per channel, far below the shared component it takes off. The mean over all keys read
-# all of K once more before its quantisation: 31-36 us of the FP8 forward's ~570 at (4, 16, 4096, 128) causal on
-# the H200 (benchmarks/NOTES.md, twenty-first and thirty-first sessions).
+# all of K once more before its quantisation: 29-38 us of GPU time, the sample 5.5-6.3, at the FP8 table's 4k and
+# 16k points on the H200 (benchmarks/NOTES.md, thirty-first session).
 SMOOTHING_KEYS = 256
 
 
