@@ -187,9 +187,9 @@ def _seq_mean(x: Tensor) -> Tensor:
 
 
 def _smoothing_mean(k: Tensor) -> Tensor:
-    """K smoothing's vector for k (B, H_kv, N, D): the mean of every ``smoothing_stride(N)``-th key, (B, H_kv, D) in
-    fp32. The rotation or quantisation kernel subtracts it and rounds the difference to K's dtype as ``_centred``
-    does."""
+    """K smoothing's vector for k (B, H_kv, N, D): the mean of every ``configs.smoothing_stride(N)``-th key,
+    (B, H_kv, D) in fp32. The rotation or quantisation kernel subtracts it and rounds the difference to K's dtype
+    as ``_centred`` does."""
     return _seq_mean(k[:, :, ::configs.smoothing_stride(k.shape[2])])
 
 
