@@ -15,8 +15,9 @@ CPU interpreter's own fp32->e4m3 conversion drops the rounding carry (1.98 -> 1.
 first rounds onto the e4m3 grid in software and the cast then only meets representable values.
 
 The same kernel can first centre the rows (K smoothing), rotate them (the Hadamard rotation of incoherent
-processing, by matmuls with the +-1 matrix: ``_rotated_rows``), and write its output in any layout, such as V
-transposed for the FP8 forward: one read of x and one write of its e4m3 bytes.
+processing, by matmuls with the +-1 matrix: ``_rotated_rows``; whole tiles of width 256 as two column halves,
+``_quantize_tile_halves``), and write its output in any layout, such as V transposed for the FP8 forward: one read
+of x and one write of its e4m3 bytes.
 """
 
 from __future__ import annotations
@@ -450,10 +451,11 @@ ROTATE_CHUNK_ELEMENTS = 16384
 ROTATE_TILES_PER_PROGRAM = 4
 ROTATE_STAGES = 2
 # Eight tiles a program where there are at least seven tiles per SM (``fp8_quantize``), so that at most one SM in
-# eight goes without a program: the matrices and the pipeline's fill are paid for half as often. Measured on the H200 (benchmarks/NOTES.md; bf16 (4, 8, 4096, 256), GPU time,
-# CUDA graphs): Q 51.8 -> 49.5 us, K centred 57.1 -> 54.4, the FP8 forward at 4k causal 541 -> 532; at width 128
-# (4, 16, 4096, 128): Q 40.6 -> 37.6-38.1, K centred 44.5 -> 42.6-42.7 (thirty-first session). Small inputs keep
-# four, which gives them twice the programs.
+# eight goes without a program: the matrices and the pipeline's fill are paid for half as often. Measured on the
+# H200 (benchmarks/NOTES.md, thirty-second session; bf16 (4, 8, 4096, 256), GPU time, CUDA graphs): Q 51.8 -> 49.5
+# us, K centred 57.1 -> 54.4, the FP8 forward at 4k causal 541 -> 532; at width 128 (4, 16, 4096, 128): Q 40.6 ->
+# 37.6-38.1, K centred 44.5 -> 42.6-42.7 (thirty-first session). Small inputs keep four, which gives them twice the
+# programs.
 ROTATE_TILES_PER_PROGRAM_LARGE = 8
 # The rotation by halves (width 256): rows a chunk, tiles a program, warps, and stages (without, with centring).
 # Read from the sm_90 compile (ptxas -v): at 4 warps every chunk size spills (140-2500 bytes); at 8 warps chunks
@@ -468,6 +470,8 @@ ROTATE_TILES_PER_PROGRAM_LARGE = 8
 # 168 -> 160 us (torch.profiler, two processes each; the same bytes; benchmarks/NOTES.md, twenty-fifth session).
 # Since the thirty-second session each half of a tile is its own load and matmul operand (``_rotated_halves``):
 # two stages take 208 KB of shared memory (179 registers for Q, 242 centred; no spills), three 272 KB, over an SM's.
+# GPU time (CUDA graphs, bf16 (4, 8, 4096, 256), four tiles a program): Q 61.1 -> 51.8 us, K centred 66.3 -> 57.1,
+# Q in both layouts 73.6 -> 69.0, K 83.8 -> 80.5; the same bytes.
 HALVES_LAUNCH = dict(CHUNK=128, TILES=4, num_warps=8)
 HALVES_STAGES = {False: 2, True: 2}
 
