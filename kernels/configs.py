@@ -82,6 +82,12 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors, asked once per device (as ``device_capability``)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def on_input_device(launcher):
     """Decorator for a launcher: run it in ``launch_device`` of its first tensor argument."""
     @functools.wraps(launcher)

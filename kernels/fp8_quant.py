@@ -15,8 +15,9 @@ CPU interpreter's own fp32->e4m3 conversion drops the rounding carry (1.98 -> 1.
 first rounds onto the e4m3 grid in software and the cast then only meets representable values.
 
 The same kernel can first centre the rows (K smoothing), rotate them (the Hadamard rotation of incoherent
-processing, by matmuls with the +-1 matrix: ``_rotated_rows``), and write its output in any layout, such as V
-transposed for the FP8 forward: one read of x and one write of its e4m3 bytes.
+processing, by matmuls with the +-1 matrix: ``_rotated_rows``; whole tiles of width 256 as two column halves,
+``_quantize_tile_halves``), and write its output in any layout, such as V transposed for the FP8 forward: one read
+of x and one write of its e4m3 bytes.
 """
 
 from __future__ import annotations
@@ -167,6 +168,74 @@ def _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, mean_rot, row_ok, R: tl.c
     if CENTRE:
         y = tl.where(row_ok[:, None], y - mean_rot, 0.0)
     return y.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    CENTRE: tl.constexpr):
+    """``_rotated_rows``'s "halves" for rows ``rows`` of X, loaded and returned as two halves: (a, b), the first and
+    the second BLOCK_D // 2 columns of the rotated rows, each (R, BLOCK_D // 2) fp32 holding values of X's dtype,
+    with the same bits. Each half of x is its own load and enters its matmul from shared memory as loaded, as the
+    whole tile does at width 128; loaded as one (R, BLOCK_D) tile, x went through registers to be split, and the
+    joined result through a (R, BLOCK_D) layout conversion. ``mean_lo``, ``mean_hi`` (CENTRE): the rotated mean's
+    halves (1, BLOCK_D // 2)."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    OUT_DTYPE: tl.constexpr = X.dtype.element_ty
+    offs = tl.arange(0, HALF)
+    row_ok = rows[:, None] < seq
+    x_rows = X + x_base + rows[:, None] * stride_xn
+    x1 = tl.load(x_rows + offs[None, :] * stride_xd, mask=row_ok & (offs[None, :] < HEAD_DIM), other=0.0)
+    x2 = tl.load(x_rows + (HALF + offs[None, :]) * stride_xd, mask=row_ok & (HALF + offs[None, :] < HEAD_DIM),
+                 other=0.0)
+    # [x1, x2] H_d' = [x1 H + x2 H, x1 H - x2 H], the signs in the H's (``_rotation_operands``)
+    y1 = tl.dot(x1, h_lo, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+    y2 = tl.dot(x2, h_hi, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+    a = _scale(y1 + y2, norm, norm_lo)
+    b = _scale(y1 - y2, norm, norm_lo)
+    if CENTRE:
+        a = tl.where(row_ok, a - mean_lo, 0.0)
+        b = tl.where(row_ok, b - mean_hi, 0.0)
+    return a.to(OUT_DTYPE).to(tl.float32), b.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _halves_of(x, BLOCK_D: tl.constexpr):
+    """(1, BLOCK_D) -> its first and second halves, (1, BLOCK_D // 2) each."""
+    return tl.split(tl.permute(tl.reshape(x, (1, 2, BLOCK_D // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _store_half(q_base, q, rows, store_rows, col0, stride_qn, stride_qd, R: tl.constexpr, HALF: tl.constexpr):
+    """Store the e4m3 rows q (R, HALF) at rows ``rows`` (those < store_rows), columns [col0, col0 + HALF)."""
+    offs = col0 + tl.arange(0, HALF)
+    tl.store(q_base + rows[:, None] * stride_qn + offs[None, :] * stride_qd, q, mask=rows[:, None] < store_rows)
+
+
+@triton.jit
+def _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn,
+                          stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr, ZERO_SCALE_IF_EMPTY: tl.constexpr,
+                          SECOND_COPY: tl.constexpr, AMAX_TO: tl.constexpr):
+    """``_quantize_tile`` for a whole tile rotated by halves (``_rotated_halves``): the same bytes and scale, the
+    tile held and stored as its two column halves."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, CENTRE)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(a), 1), 0), tl.max(tl.max(tl.abs(b), 1), 0))
+    scale = _tile_scale(amax, True, AMAX_TO)
+    qa = _quantize_with_pow2_scale(a, scale)
+    qb = _quantize_with_pow2_scale(b, scale)
+    _store_half(q_base, qa, rows, store_rows, 0, stride_qn, stride_qd, BLOCK_N, HALF)
+    _store_half(q_base, qb, rows, store_rows, HALF, stride_qn, stride_qd, BLOCK_N, HALF)
+    if SECOND_COPY:
+        _store_half(t_base, qa, rows, store_rows, 0, stride_tn, stride_td, BLOCK_N, HALF)
+        _store_half(t_base, qb, rows, store_rows, HALF, stride_tn, stride_td, BLOCK_N, HALF)
+    if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
+        scale = tl.where(amax > 0.0, scale, 0.0)
+    tl.store(S + head * n_tiles + tile, scale)
 
 
 @triton.jit
@@ -327,21 +396,39 @@ def fp8_quantize_kernel(
     t_base = QT + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
     n_tiles = tl.cdiv(seq, BLOCK_N)
     signs, h_lo, h_hi = _rotation_operands(SIGNS, H, ROTATE, METHOD, BLOCK_D)
+    # whole tiles rotated by halves go as two column halves (``_quantize_tile_halves``)
+    HALVES: tl.constexpr = METHOD == "halves" and CHUNK == BLOCK_N
     centring = MEAN
+    mean_lo = 0.0
+    mean_hi = 0.0
     if ROTATE and CENTRE:  # K smoothing after the rotation: the rotated mean, once a program
         centring = _rotated_mean(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D)
+        if HALVES:
+            mean_lo, mean_hi = _halves_of(centring, BLOCK_D)
     if TILES == 1:
-        _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tl.program_id(0), n_tiles,
-                       stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION, ZERO_SCALE_IF_EMPTY,
-                       MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
+        if HALVES:
+            _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_base, head, tl.program_id(0),
+                                  n_tiles, stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq,
+                                  store_rows, norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, DOT_PRECISION,
+                                  ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
+        else:
+            _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tl.program_id(0), n_tiles,
+                           stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm,
+                           norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION,
+                           ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
     else:  # a loop, so that the compiler's pipelining loads the next tile while this one is rotated
         first = tl.program_id(0) * TILES
         for tile in tl.range(first, tl.minimum(first + TILES, n_tiles)):
-            _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn,
-                           stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
-                           HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION,
-                           ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
+            if HALVES:
+                _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles,
+                                      stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq,
+                                      store_rows, norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, DOT_PRECISION,
+                                      ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
+            else:
+                _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles,
+                               stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows,
+                               norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD,
+                               DOT_PRECISION, ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
 
 
 # Elements (fp32) of one chunk of rows the quantisation kernel holds in registers at a time, at 4 warps.
@@ -363,6 +450,13 @@ ROTATE_CHUNK_ELEMENTS = 16384
 # make one wave of 256 programs, two per SM; not taken: a quarter of the programs of four tiles at small inputs.
 ROTATE_TILES_PER_PROGRAM = 4
 ROTATE_STAGES = 2
+# Eight tiles a program where there are at least seven tiles per SM (``fp8_quantize``), so that at most one SM in
+# eight goes without a program: the matrices and the pipeline's fill are paid for half as often. Measured on the
+# H200 (benchmarks/NOTES.md, thirty-second session; bf16 (4, 8, 4096, 256), GPU time, CUDA graphs): Q 51.8 -> 49.5
+# us, K centred 57.1 -> 54.4, the FP8 forward at 4k causal 541 -> 532; at width 128 (4, 16, 4096, 128): Q 40.6 ->
+# 37.6-38.1, K centred 44.5 -> 42.6-42.7 (thirty-first session). Small inputs keep four, which gives them twice the
+# programs.
+ROTATE_TILES_PER_PROGRAM_LARGE = 8
 # The rotation by halves (width 256): rows a chunk, tiles a program, warps, and stages (without, with centring).
 # Read from the sm_90 compile (ptxas -v): at 4 warps every chunk size spills (140-2500 bytes); at 8 warps chunks
 # of 64 rows and whole (128-row) tiles take 253-255 registers and no spills (191 for Q since the twenty-first
@@ -374,8 +468,12 @@ ROTATE_STAGES = 2
 # 258 KB there, over the 227 KB an SM has). Since K is centred after the rotation (its tiles enter the matmul as
 # loaded, as Q's), the centred kernel fits 3 stages too: the FP8 forward's three quantisations at (4, 8, 4096, 256)
 # 168 -> 160 us (torch.profiler, two processes each; the same bytes; benchmarks/NOTES.md, twenty-fifth session).
+# Since the thirty-second session each half of a tile is its own load and matmul operand (``_rotated_halves``):
+# two stages take 208 KB of shared memory (179 registers for Q, 242 centred; no spills), three 272 KB, over an SM's.
+# GPU time (CUDA graphs, bf16 (4, 8, 4096, 256), four tiles a program): Q 61.1 -> 51.8 us, K centred 66.3 -> 57.1,
+# Q in both layouts 73.6 -> 69.0, K 83.8 -> 80.5; the same bytes.
 HALVES_LAUNCH = dict(CHUNK=128, TILES=4, num_warps=8)
-HALVES_STAGES = {False: 3, True: 3}
+HALVES_STAGES = {False: 2, True: 2}
 
 
 def rotate_method(dim: int) -> str:
@@ -493,6 +591,9 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         rotate = signs is not None
         block_d = out_dim if rotate else configs.block_d(head_dim)
         launch = quant_launch(block_n, block_d, rotate, mean is not None, x.element_size())
+        tiles = batch * heads * configs.cdiv(seq, block_n)
+        if launch["TILES"] > 1 and x.is_cuda and tiles >= 7 * configs.sm_count(x.device):
+            launch["TILES"] = ROTATE_TILES_PER_PROGRAM_LARGE
         grid = (configs.cdiv(configs.cdiv(seq, block_n), launch["TILES"]), heads, batch)
         launch_kernel(
             fp8_quantize_kernel, grid,
