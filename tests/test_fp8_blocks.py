@@ -224,6 +224,8 @@ def test_inverse_transform_centres_in_fp32(shape, head_dim, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("shape, block_n", [((1, 2, 37, 40), 16), ((2, 1, 129, 24), 64), ((1, 1, 70, 128), 64),
                                             ((1, 1, 33, 256), 16),
+                                            # width 256 by halves, the second half partly padding
+                                            ((1, 1, 40, 200), 16),
                                             # the launches of whole 128-row tiles (fp32 at width 256: the butterfly)
                                             pytest.param((1, 1, 300, 128), 128, marks=pytest.mark.gpu),
                                             pytest.param((1, 1, 300, 256), 128, marks=pytest.mark.gpu)], ids=str)
@@ -317,7 +319,7 @@ def test_quantize_in_mma_key_order(shape, block_n, device):
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("shape, block_n", [((1, 2, 37, 40), 16), ((2, 1, 129, 64), 64), ((1, 1, 70, 128), 32),
-                                            ((1, 1, 1, 24), 16)], ids=str)
+                                            ((1, 1, 1, 24), 16), ((1, 1, 40, 200), 16)], ids=str)
 def test_quantize_with_transposed_copy(shape, block_n, dtype, rotate, chunk_elements, device, monkeypatch):
     """The FP8 backward's one launch for both layouts of Q, K and dO: the row-major bytes, the transposed copy's
     bytes and the scales are those of two separate launches (outputs poisoned), centred and rotated as K is."""
