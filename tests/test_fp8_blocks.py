@@ -257,6 +257,29 @@ def test_rotation_fused_into_quantise(shape, block_n, dtype, centre, transposed,
         assert not differ.any()
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("tiles", [1, 8], ids=lambda t: f"{t}_tiles")
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_rotated_quantise_tiles_per_program(head_dim, tiles, device, monkeypatch):
+    """Rotating quantisations take several tiles a program (4, or 8 on large inputs, ``fp8_quantize``; the matmul
+    method up to width 128, halves at 256): the bytes do not depend on how many, with a last program of fewer
+    tiles (13 a head here) and both layouts written."""
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(1, 2, 200, head_dim, generator=gen) * 2 + torch.randn(head_dim, generator=gen)).to(device,
+                                                                                                       torch.float16)
+    kwargs = dict(mean=_seq_mean(x), signs=random_signs(head_dim, seed=3, device=device), empty_tile_scale=0.0,
+                  with_transposed=True)
+    ref = fp8_quantize(x, 16, **kwargs)
+    monkeypatch.setattr(fp8_quant, "ROTATE_TILES_PER_PROGRAM", tiles)
+    monkeypatch.setitem(fp8_quant.HALVES_LAUNCH, "TILES", tiles)
+    launch = fp8_quant.quant_launch(16, head_dim, True, True)
+    assert launch["METHOD"] == ("halves" if head_dim == 256 else "matmul") and launch["TILES"] == tiles
+    out = fp8_quantize(x, 16, **kwargs)
+    for a, b in zip(out, ref):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
 def test_quantize_keeps_non_finite_values_non_finite(rotate, device):
     """A NaN stays NaN (its tile's other values keep the scale of its finite ones) and an infinite value becomes NaN
