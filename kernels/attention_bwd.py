@@ -266,7 +266,7 @@ def attention_bwd_dq_kernel(
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B)."""
     pid_m = tl.program_id(0)
     if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest blocks first, as in the forward
+        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest blocks of each head first (the forward's sections: untried)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     off_hk = off_h // GROUP

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import (LOG2E, _load_rows, _query_block_key_range, _visible, allocate_outputs, hopper_device_ready,
-                            hopper_mode_allows, hopper_module)
+from .attention_fwd import (LOG2E, _load_rows, _query_block_coords, _query_block_key_range, _visible,
+                            allocate_outputs, hopper_device_ready, hopper_mode_allows, hopper_module)
 from .fp8_quant import E4M3_MAX, MIN_SCALE, _to_e4m3, fp8_quantize, quantize_scores_operands
 from .launch import launch_kernel
 
@@ -96,14 +96,14 @@ def _attention_fp8_fwd_inner(acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sections"])
 def attention_fp8_fwd_kernel(
     Q8, QS, K8, KS, VT8, VS, O, LSE,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vtb, stride_vth, stride_vtn,
     stride_ob, stride_oh, stride_om, stride_od,
-    seq_q, seq_k, qk_scale,
+    seq_q, seq_k, qk_scale, sections,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, SCALE_EARLY: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -116,11 +116,7 @@ def attention_fp8_fwd_kernel(
     Hadamard rotation pads Q and K to a power of two). O: (B, H_q, seq_q, HEAD_DIM), any strides.
     LSE: (B, H_q, seq_q) fp32, log2 domain. qk_scale = softmax scale * log2(e).
     """
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
+    pid_m, off_h, off_b = _query_block_coords(sections, CAUSAL)  # causal: heaviest first
     off_hk = off_h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -211,6 +207,8 @@ def attention_fp8_fwd(q, k, v, causal: bool, scale: float, signs=None, k_mean=No
         q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
         vt8.stride(0), vt8.stride(1), vt8.stride(2), *out.stride(),
         seq_q, seq_k, scale * LOG2E,
+        configs.causal_sections(causal, batch * heads_q, grid[0], heads_q // heads_kv, seq_k, qk_dim + head_dim,
+                                q.device),
         GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
         BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal, SCALE_EARLY=scale <= 0, **cfg)
     return out, lse, quantized

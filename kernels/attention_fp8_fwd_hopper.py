@@ -66,9 +66,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from . import configs
 from .attention_fwd import LOG2E
-from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _masked_scores, _pass_turn, _start_q_load,
-                                   _unmasked_blocks, _wait_turn, ensure_scratch_allocator)
+from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _masked_scores, _pass_turn,
+                                   _query_block_coords, _start_q_load, _unmasked_blocks, _wait_turn,
+                                   ensure_scratch_allocator)
 from .configs import cdiv, fp8_hopper_fwd_meta
 from .fp8_quant import MIN_SCALE
 from .launch import launch_kernel
@@ -479,14 +481,14 @@ def _skip_blocks(lo, hi, ready, empty, WG: gl.constexpr, CONSUMERS: gl.constexpr
 # seq_q and seq_k are never specialised: Triton would fold a length of 1 into a constant, and that kernel (no loop
 # left, every mask known) wrote NaN outputs on the H200 for some forms of this softmax step while the looped form
 # passed at every other length (benchmarks/NOTES.md, fifteenth and seventeenth sessions).
-@gluon.jit(do_not_specialize=["seq_q", "seq_k"])
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "sections"])
 def attention_fp8_fwd_hopper_kernel(
     Q8, QS, K8, KS, KS_MAX, VT8, VS, O, LSE,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vtb, stride_vth, stride_vtn,
     stride_ob, stride_oh, stride_om, stride_od,
-    seq_q, seq_k, qk_scale,
+    seq_q, seq_k, qk_scale, sections,
     GROUP: gl.constexpr, QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, F16_SCORES: gl.constexpr,
@@ -500,11 +502,7 @@ def attention_fp8_fwd_hopper_kernel(
     stride on the last dims, other strides TMA-aligned. O: (B, H_q, seq_q, HEAD_DIM), LSE (B, H_q, seq_q)
     fp32 contiguous, log2 domain. qk_scale = softmax scale * log2(e) > 0.
     """
-    pid_m = gl.program_id(0)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m  # heaviest blocks first: a shorter tail
-    off_h = gl.program_id(1)
-    off_b = gl.program_id(2)
+    pid_m, off_h, off_b = _query_block_coords(sections, CAUSAL)  # causal: heaviest first
     off_hk = off_h // GROUP
     heads_q = gl.num_programs(1)
     start_m = pid_m * (WG_ROWS * CONSUMERS)
@@ -587,8 +585,12 @@ def attention_fp8_fwd_hopper(q8, q_scales, k8, k_scales, vt8, v_scales, out, lse
     # float16 scores: each (batch, KV head)'s largest K tile scale, (B, H_kv) (the kernel widens the exponent
     # where a score could leave float16's range)
     k_scale_max = k_scales.amax(dim=2).contiguous() if meta["F16_SCORES"] else k_scales
+    grid = (cdiv(seq_q, WG_ROWS.value * meta["CONSUMERS"]), heads_q, batch)
     launch_kernel(
-        attention_fp8_fwd_hopper_kernel, (cdiv(seq_q, WG_ROWS.value * meta["CONSUMERS"]), heads_q, batch),
+        attention_fp8_fwd_hopper_kernel, grid,
         q8, q_scales, k8, k_scales, k_scale_max, vt8, v_scales, out, lse, *q8.stride()[:3], *k8.stride()[:3],
-        *vt8.stride()[:3], *out.stride(), seq_q, seq_k, scale * LOG2E, GROUP=heads_q // k8.shape[1], QK_DIM=qk_dim,
-        HEAD_DIM=head_dim, KV_TILE=kv_tile, CAUSAL=causal, **meta, num_warps=4)
+        *vt8.stride()[:3], *out.stride(), seq_q, seq_k, scale * LOG2E,
+        configs.causal_sections(causal, batch * heads_q, grid[0], heads_q // k8.shape[1], seq_k,
+                                qk_dim + head_dim, q8.device),
+        GROUP=heads_q // k8.shape[1], QK_DIM=qk_dim, HEAD_DIM=head_dim, KV_TILE=kv_tile, CAUSAL=causal, **meta,
+        num_warps=4)

@@ -50,6 +50,39 @@ def split_scale(scale: float) -> tuple[float, float]:
 
 
 @triton.jit
+def _query_block_coords(sections, CAUSAL: tl.constexpr):
+    """(query block, head, batch) of this program in a grid (cdiv(seq_q, BLOCK_M), H_q, B).
+
+    Without a mask the grid's own order: the query blocks of one head are launched together and share its K and
+    V in L2. Causal, where block i sees i + 1 key blocks, the launch order is remapped: the (batch, head) pairs are
+    split into ``sections`` runs of consecutive pairs as even as can be (``configs.causal_sections``: the first
+    pairs % sections one pair larger), and within a section the heaviest blocks go first across its pairs (the
+    last query block of each, then the one before, ...). SMs take programs in launch order as they free up, so
+    the grid ends on light blocks; head by head (sections = pairs) it ended on the last heads' heaviest."""
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    if CAUSAL:
+        n_m = tl.num_programs(0)
+        heads = tl.num_programs(1)
+        pairs = heads * tl.num_programs(2)
+        launched = pid_m + n_m * (off_h + heads * off_b)  # x fastest: the order programs are launched in
+        size = pairs // sections  # the last sections' pairs; the first `larger` have one more
+        larger = pairs - size * sections
+        in_larger = launched < larger * (size + 1) * n_m
+        rel = tl.where(in_larger, launched, launched - larger * (size + 1) * n_m)
+        first = tl.where(in_larger, 0, larger * (size + 1))  # the first pair of the run rel counts from
+        size = tl.where(in_larger, size + 1, size)
+        section = rel // (size * n_m)
+        within = rel - section * (size * n_m)
+        pair = first + section * size + within % size
+        off_h = pair % heads
+        off_b = pair // heads
+        pid_m = n_m - 1 - within // size
+    return pid_m, off_h, off_b
+
+
+@triton.jit
 def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                MASK_ROWS: tl.constexpr):
     """Load a (rows, BLOCK_D) tile; zero-fill rows >= n_rows (if MASK_ROWS) and columns >= HEAD_DIM."""
@@ -166,7 +199,7 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, s
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "sections"])
 def attention_fwd_kernel(
     Q, K, V, O, LSE, KB,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -175,7 +208,7 @@ def attention_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_kbb,
     seq_q, seq_k, qk_scale, qk_scale_lo,
-    seed, dropout_p, keep_scale, keep_scale_lo,
+    seed, dropout_p, keep_scale, keep_scale_lo, sections,
     SEQ_BUCKET,  # autotune key only
     GROUP: tl.constexpr,  # query heads per KV head (GQA); 1 for plain multi-head attention
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -192,12 +225,7 @@ def attention_fwd_kernel(
     (qk_scale, qk_scale_lo) = split_scale(softmax scale * log2(e)); with DROPOUT, (keep_scale,
     keep_scale_lo) = split_scale(1 / (1 - dropout_p)) and ``seed`` keys the Philox stream.
     """
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        # the last query blocks see the most keys: launch them first so the tail of the grid is short
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
+    pid_m, off_h, off_b = _query_block_coords(sections, CAUSAL)  # causal: heaviest first
     off_hk = off_h // GROUP
     acc_dtype = tl.float64 if Q.dtype.element_ty == tl.float64 else tl.float32
 
@@ -286,7 +314,10 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
     kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=lse)
     args = (q, k, v, out, lse, kb, *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_kbb,
-            seq_q, seq_k, *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed), configs.seq_bucket(seq_k))
+            seq_q, seq_k, *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed),
+            configs.causal_sections(causal, batch * heads_q, configs.cdiv(seq_q, 128), heads_q // heads_kv, seq_k,
+                                    2 * head_dim * k.element_size(), q.device),
+            configs.seq_bucket(seq_k))
     configs.launch("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, q.dtype, max(seq_q, seq_k),
                    GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
                    CAUSAL=causal, PRECISION=precision_for(q.dtype),

@@ -35,12 +35,40 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.runtime._allocation import NullAllocator, _allocator
 
+from . import configs
 from .attention_fwd import LOG2E
 from .configs import cdiv, hopper_fwd_meta
 from .launch import launch_kernel
 
 WG_ROWS = gl.constexpr(64)  # query rows per softmax warpgroup: one m64 wgmma
 FIRST_TURN_BARRIER = gl.constexpr(10)  # named barriers 10.. for the ping-pong; Gluon's partitions use the low ids
+
+
+@gluon.jit
+def _query_block_coords(sections, CAUSAL: gl.constexpr):
+    """``attention_fwd._query_block_coords`` for Gluon kernels: (query block, head, batch) of this program in a
+    grid (cdiv(seq_q, BLOCK_M), H_q, B); causal, heaviest first within each of ``sections`` runs of pairs."""
+    pid_m = gl.program_id(0)
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    if CAUSAL:
+        n_m = gl.num_programs(0)
+        heads = gl.num_programs(1)
+        pairs = heads * gl.num_programs(2)
+        launched = pid_m + n_m * (off_h + heads * off_b)  # x fastest: the order programs are launched in
+        size = pairs // sections  # the last sections' pairs; the first `larger` have one more
+        larger = pairs - size * sections
+        in_larger = launched < larger * (size + 1) * n_m
+        rel = gl.where(in_larger, launched, launched - larger * (size + 1) * n_m)
+        first = gl.where(in_larger, 0, larger * (size + 1))  # the first pair of the run rel counts from
+        size = gl.where(in_larger, size + 1, size)
+        section = rel // (size * n_m)
+        within = rel - section * (size * n_m)
+        pair = first + section * size + within % size
+        off_h = pair % heads
+        off_b = pair // heads
+        pid_m = n_m - 1 - within // size
+    return pid_m, off_h, off_b
 
 
 @gluon.jit
@@ -237,14 +265,14 @@ def _softmax_warpgroup(q_desc, k_smem, v_smem, ready, empty, O, LSE, lse_row0, s
     gl.store(LSE + lse_row0 + rows, m_i + gl.log2(l_i), mask=rows < seq_q)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["sections"])
 def attention_fwd_hopper_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om, stride_od,
-    seq_q, seq_k, qk_scale,
+    seq_q, seq_k, qk_scale, sections,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
@@ -256,11 +284,7 @@ def attention_fwd_hopper_kernel(
     qk_scale = softmax scale * log2(e).
     """
     BLOCK_M: gl.constexpr = WG_ROWS * CONSUMERS
-    pid_m = gl.program_id(0)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m  # heaviest blocks first: a shorter tail
-    off_h = gl.program_id(1)
-    off_b = gl.program_id(2)
+    pid_m, off_h, off_b = _query_block_coords(sections, CAUSAL)  # causal: heaviest first
     off_hk = off_h // GROUP
     start_m = pid_m * BLOCK_M
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -346,4 +370,6 @@ def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
         attention_fwd_hopper_kernel, grid,
         q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride(),
         seq_q, k.shape[2], scale * LOG2E,
+        configs.causal_sections(causal, batch * heads_q, grid[0], heads_q // k.shape[1], k.shape[2],
+                                2 * head_dim * k.element_size(), q.device),
         GROUP=heads_q // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal, **meta, num_warps=4)

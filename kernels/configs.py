@@ -100,6 +100,45 @@ def on_input_device(launcher):
     return launch_on_input_device
 
 
+# Causal forwards launch their query blocks heaviest first within sections of (batch, head) pairs
+# (``attention_fwd._query_block_coords``); ``causal_sections`` sizes them. A section needs at least one query
+# block per SM, so that its lighter blocks fill in behind its heavy ones (a last section smaller than that ends the
+# grid on heavy blocks: the sections are as even as can be), and may grow while its K and V fit
+# CAUSAL_SECTION_KV_BYTES, so that the blocks running together share them in L2 (50 MB on an H100, 60 on an H200);
+# rounded up to a power of two, which divides the usual head and batch counts. Measured on the H200
+# (benchmarks/NOTES.md, thirty-third session; each kernel alone, causal, GPU time, sections of 1 pair (head by
+# head) to all of them): the FP8 Hopper forward at head_dim 256 (4, 8, 4096) 432-451 us head by head, 346-351 in
+# sections of 4-8 pairs, 372-376 in one; at 128 (4, 16, 4096) 408-424 -> 386-391 (8 pairs), 408-411 (one); (1, 8,
+# 4096, 128) 79-88 -> 62-64. The 16-bit Hopper forward at 128: (4, 16, 4096) 541-573 head by head, 549-555 by 4-8
+# pairs, 598-634 in one (its K and V twice the FP8 bytes); (1, 16, 16384) 1809-1827 by 1-2 pairs, 1897-1907 by 4;
+# (2, 16, 8192) 1054-1070 -> 978-981 (4). The Triton forward at 256: (4, 8, 4096) 771-780 -> 710-720 (8), (1, 8,
+# 4096) 271 -> 176-178 (8). Sections of 5 of 32 pairs (a last one of 2) left the FP8 op at (4, 8, 4096, 256) where
+# head by head put it (536 against 538 us). By this rule, the ops' forwards (bf16, GPU time, head by head -> rule):
+# FP8 at 256 (4, 8, 4096) 551 -> 497 us, (1, 8, 16384) 1364 -> 1348; at 128 (4, 16, 4096) 538 -> 516, (1, 16, 16384)
+# 1408 -> 1370, (2, 16, 8192) 823 -> 794; 16-bit at 256 (4, 8, 4096) 790 -> 729, (1, 8, 4096) 270 -> 176; at 128
+# (4, 16, 4096) 524-560 -> 534-570 (two rounds each: no change beyond their spread), (1, 16, 16384) 1957 -> 1901.
+CAUSAL_SECTION_KV_BYTES = 8 << 20
+# The number of sections instead of the rule (tests; None: the rule)
+CAUSAL_SECTIONS: int | None = None
+
+
+def causal_sections(causal: bool, pairs: int, query_blocks: int, group: int, seq_k: int, kv_bytes_per_key: int,
+                    device: torch.device) -> int:
+    """Launch sections of a causal forward with ``pairs`` (batch, query head) pairs of ``query_blocks`` programs
+    each, ``group`` query heads per KV head, and K and V taking ``kv_bytes_per_key`` bytes a key: sections of at
+    least one program per SM, more pairs while their K and V fit CAUSAL_SECTION_KV_BYTES, a power of two; from 1
+    to pairs. Without a mask 1 (the kernels do not read it)."""
+    if not causal:
+        return 1
+    if CAUSAL_SECTIONS is not None:
+        return max(1, min(CAUSAL_SECTIONS, pairs))
+    sms = sm_count(device) if device.type == "cuda" else 1
+    balance = cdiv(sms, max(1, query_blocks))
+    footprint = CAUSAL_SECTION_KV_BYTES * group // max(1, seq_k * kv_bytes_per_key)
+    per_section = 1 << (max(balance, footprint, 1) - 1).bit_length()
+    return max(1, pairs // per_section)
+
+
 # Fixed configs: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 INTERPRET_FWD = (32, 16, 4, 1)
 INTERPRET_DKDV = (16, 32, 4, 1)

@@ -182,12 +182,11 @@ def _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_x
     halves (1, BLOCK_D // 2)."""
     HALF: tl.constexpr = BLOCK_D // 2
     OUT_DTYPE: tl.constexpr = X.dtype.element_ty
-    offs = tl.arange(0, HALF)
     row_ok = rows[:, None] < seq
-    x_rows = X + x_base + rows[:, None] * stride_xn
-    x1 = tl.load(x_rows + offs[None, :] * stride_xd, mask=row_ok & (offs[None, :] < HEAD_DIM), other=0.0)
-    x2 = tl.load(x_rows + (HALF + offs[None, :]) * stride_xd, mask=row_ok & (HALF + offs[None, :] < HEAD_DIM),
-                 other=0.0)
+    x1 = _prepared_rows(X, X, x_base, 0, rows, seq, stride_xn, stride_xd, HALF, HALF, False)
+    # HEAD_DIM > HALF: "halves" rotates widths above 128 only (``rotate_method``)
+    x2 = _prepared_rows(X + HALF * stride_xd, X, x_base, 0, rows, seq, stride_xn, stride_xd, HEAD_DIM - HALF, HALF,
+                        False)
     # [x1, x2] H_d' = [x1 H + x2 H, x1 H - x2 H], the signs in the H's (``_rotation_operands``)
     y1 = tl.dot(x1, h_lo, input_precision=DOT_PRECISION, out_dtype=tl.float32)
     y2 = tl.dot(x2, h_hi, input_precision=DOT_PRECISION, out_dtype=tl.float32)
@@ -206,13 +205,6 @@ def _halves_of(x, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _store_half(q_base, q, rows, store_rows, col0, stride_qn, stride_qd, R: tl.constexpr, HALF: tl.constexpr):
-    """Store the e4m3 rows q (R, HALF) at rows ``rows`` (those < store_rows), columns [col0, col0 + HALF)."""
-    offs = col0 + tl.arange(0, HALF)
-    tl.store(q_base + rows[:, None] * stride_qn + offs[None, :] * stride_qd, q, mask=rows[:, None] < store_rows)
-
-
-@triton.jit
 def _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn,
                           stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE: tl.constexpr,
@@ -228,11 +220,10 @@ def _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_
     scale = _tile_scale(amax, True, AMAX_TO)
     qa = _quantize_with_pow2_scale(a, scale)
     qb = _quantize_with_pow2_scale(b, scale)
-    _store_half(q_base, qa, rows, store_rows, 0, stride_qn, stride_qd, BLOCK_N, HALF)
-    _store_half(q_base, qb, rows, store_rows, HALF, stride_qn, stride_qd, BLOCK_N, HALF)
-    if SECOND_COPY:
-        _store_half(t_base, qa, rows, store_rows, 0, stride_tn, stride_td, BLOCK_N, HALF)
-        _store_half(t_base, qb, rows, store_rows, HALF, stride_tn, stride_td, BLOCK_N, HALF)
+    _store_copies(q_base, t_base, qa, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, BLOCK_N, HALF,
+                  HALF, False, SECOND_COPY)
+    _store_copies(q_base + HALF * stride_qd, t_base + HALF * stride_td, qb, rows, store_rows, stride_qn, stride_qd,
+                  stride_tn, stride_td, BLOCK_N, HALF, HALF, False, SECOND_COPY)
     if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
         scale = tl.where(amax > 0.0, scale, 0.0)
     tl.store(S + head * n_tiles + tile, scale)
@@ -435,6 +426,12 @@ def fp8_quantize_kernel(
 # Read from the sm_90 compile (ptxas -v): a (128, 256) tile whole spills 188 bytes at 255 registers; a
 # (128, 128) tile takes 168 registers and no spills, and so do (64, 256) chunks.
 QUANT_CHUNK_ELEMENTS = 16384
+# Unrotated 16-bit tiles of up to twice that (V at width 256: (128, 256)) are read whole at 8 warps, in one
+# layout: in chunks the tile is read twice, once for its amax and once to quantise. Read from the sm_90 compile
+# (ptxas -v): 127 registers for V in the MMA key order, 158 plain, 182 centred, 249 and 196 in both layouts; no
+# spills. Measured on the H200 (benchmarks/NOTES.md, thirty-third session; bf16 (4, 8, 4096, 256), GPU time, the
+# same bytes): V 34.7 -> 32.2 us; in both layouts (the FP8 backward's dO) 47.7 -> 51.9, so those stay in chunks.
+WHOLE_TILE_WARPS = 8
 # Rotated tiles: the elements of a chunk of rows. The rotation is fused into the quantisation at every width.
 # Measured on the H200 (benchmarks/NOTES.md, twelfth session; bf16 (4, 16, 4096, 128)): Q fused by matmul in whole
 # 128-row tiles 0.065 ms, the Hadamard kernel then the quantisation 0.077 ms, a copy 0.037 ms.
@@ -493,13 +490,15 @@ def quant_chunk(block_n: int, block_d: int, rotate: bool = False) -> int:
     return max(1, min(block_n, QUANT_CHUNK_ELEMENTS // block_d))
 
 
-def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element_size: int = 2) -> dict:
+def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element_size: int = 2,
+                 second_copy: bool = False) -> dict:
     """The quantisation kernel's METHOD, CHUNK and TILES and its num_warps and num_stages for tiles of (block_n,
     block_d) of ``element_size``-byte inputs: what ``fp8_quantize`` launches and scripts/compile_kernels.py compiles.
-    Several tiles a program only where whole tiles are rotated by a matmul; 4 warps and num_stages 3 (Triton's
-    defaults) elsewhere. The butterfly rotates 32-bit inputs at width 256 and 64-bit ones at every width: there the
-    matrices and pipelined tiles would take 270-526 KB of shared memory (sm_90 compile, 128-row tiles), over the
-    227 KB of an SM (fp32 at width 128: 197 KB, centred)."""
+    Several tiles a program only where whole tiles are rotated by a matmul; unrotated 16-bit (128, 256) tiles whole
+    at 8 warps unless ``second_copy`` (the transposed copy too; WHOLE_TILE_WARPS); 4 warps and num_stages 3
+    (Triton's defaults) elsewhere. The butterfly rotates 32-bit inputs at width 256 and 64-bit ones at every width:
+    there the matrices and pipelined tiles would take 270-526 KB of shared memory (sm_90 compile, 128-row tiles),
+    over the 227 KB of an SM (fp32 at width 128: 197 KB, centred)."""
     method = rotate_method(block_d) if rotate else "butterfly"
     if method != "butterfly" and (element_size > 4 or (element_size > 2 and method == "halves")):
         method = "butterfly"
@@ -509,6 +508,10 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
         return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=HALVES_LAUNCH["num_warps"],
                     num_stages=HALVES_STAGES[centre])
     chunk = quant_chunk(block_n, block_d, rotate)
+    if (not rotate and not second_copy and element_size <= 2 and chunk < block_n
+            and block_n * block_d <= 2 * QUANT_CHUNK_ELEMENTS):
+        # whole tiles at 8 warps (WHOLE_TILE_WARPS): one read of the tile instead of two
+        return dict(METHOD=method, CHUNK=block_n, TILES=1, num_warps=WHOLE_TILE_WARPS, num_stages=3)
     tiles = ROTATE_TILES_PER_PROGRAM if rotate and method == "matmul" and chunk == block_n else 1
     return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=4,
                 num_stages=ROTATE_STAGES if tiles > 1 else 3)
@@ -590,7 +593,7 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     if q.numel():
         rotate = signs is not None
         block_d = out_dim if rotate else configs.block_d(head_dim)
-        launch = quant_launch(block_n, block_d, rotate, mean is not None, x.element_size())
+        launch = quant_launch(block_n, block_d, rotate, mean is not None, x.element_size(), with_transposed)
         tiles = batch * heads * configs.cdiv(seq, block_n)
         if launch["TILES"] > 1 and x.is_cuda and tiles >= 7 * configs.sm_count(x.device):
             launch["TILES"] = ROTATE_TILES_PER_PROGRAM_LARGE

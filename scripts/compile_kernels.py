@@ -180,7 +180,7 @@ def fp8_jobs(dtype="bf16", target_arch=90):
 
         def quantize_job(name, rotate, centre, zero=False, second=False, mma_key_order=False,
                          amax_to=fp8_quant.E4M3_MAX):
-            launch = fp8_quant.quant_launch(128, head_dim, rotate, centre)
+            launch = fp8_quant.quant_launch(128, head_dim, rotate, centre, second_copy=second)
             warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
             return (f"fp8 quantize D={head_dim}{name}", fp8_quantize_kernel, quant_ptr,
                     dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=128, CENTRE=centre, ROTATE=rotate,
@@ -189,7 +189,7 @@ def fp8_jobs(dtype="bf16", target_arch=90):
 
         # V, dO / K with smoothing / Q / K rotated and smoothed, each also with empty tiles' scale 0 (as the
         # backward's Q and dO) and with the transposed second copy (the backward's Q, K, dO); unrotated (128, 256)
-        # tiles in chunks
+        # tiles whole at 8 warps, in chunks with the second copy
         for rotate, centre, zero, second in itertools.product((False, True), repeat=4):
             yield quantize_job(f"{' centred' if centre else ''}{' rotated' if rotate else ''}"
                                f"{' zero-scale' if zero else ''}{' both layouts' if second else ''}",

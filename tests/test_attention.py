@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashtrain import flash_attention
+from flashtrain.kernels import configs
 from flashtrain.reference import attention_ref
 from flashtrain.testing import TOLERANCE, assert_close
 
@@ -191,3 +192,19 @@ def test_long_sequence_tiles(causal, device):
     q, k, v = make_qkv((1, 2, 1, 300, 257, 24), torch.float64, device, requires_grad=True)
     check_forward(q, k, v, causal)
     check_backward(q, k, v, causal)
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("sections", [1, 3, None], ids=["1", "3", "rule"])
+def test_causal_launch_sections(sections, device, monkeypatch):
+    """Causal query blocks are launched heaviest first within sections of (batch, head) pairs
+    (``configs.causal_sections``); the sections only decide which program computes which block, so the output
+    and LSE are the same bits as head by head (8 sections of 1 pair). 8 pairs (GQA) of 3 query blocks in the
+    interpreter's 32-row tiles, in one section, in 3 (of 3, 3 and 2 pairs) and by the rule."""
+    q, k, v = make_qkv((2, 4, 2, 70, 90, 24), torch.float32, device)
+    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", 8)
+    head_by_head = flash_attention(q, k, v, causal=True, return_lse=True)
+    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", sections)
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out, head_by_head[0]) and torch.equal(lse, head_by_head[1])
+    check_forward(q, k, v, True)

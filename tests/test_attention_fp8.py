@@ -468,3 +468,18 @@ def test_fp8_hopper_launcher_checks_the_q_tiles():
     with pytest.raises(ValueError, match=r"q_scales: expected one scale per tile of 128 query rows, 3 for "
                                          r"seq_q=300; got shape \(1, 2, 5\)"):
         attention_fp8_fwd_hopper(q8, q_scales_of_64_rows, q8, k_scales, vt8, k_scales, out, lse, True, 0.1, 128)
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("sections", [1, 3, None], ids=["1", "3", "rule"])
+def test_causal_launch_sections(sections, device, monkeypatch):
+    """The FP8 forward's causal query blocks in launch sections of (batch, head) pairs
+    (``configs.causal_sections``): the same output and LSE bits as head by head, 8 pairs (GQA) of 3 query blocks
+    in 1 section, 3 (of 3, 3 and 2 pairs) and by the rule."""
+    q, k, v = make((2, 4, 2, 70, 90, 40), device)
+    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", 8)
+    head_by_head = flash_attention(q, k, v, causal=True, fp8="forward", return_lse=True)
+    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", sections)
+    out, lse = flash_attention(q, k, v, causal=True, fp8="forward", return_lse=True)
+    assert torch.equal(out, head_by_head[0]) and torch.equal(lse, head_by_head[1])
+    assert torch.isfinite(out).all()

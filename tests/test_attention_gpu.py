@@ -237,6 +237,32 @@ def test_hopper_forward_strided_views(causal, monkeypatch):
 
 
 @needs_hopper
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("fp8", [None, "forward"], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", [(2, 3, 3, 1000, 1000, 128), (3, 4, 2, 300, 357, 128), (3, 2, 1, 700, 900, 256),
+                                   (1, 2, 2, 4096, 4096, 256), (1, 5, 5, 4096, 4096, 128)], ids=str)
+def test_hopper_forward_causal_sections(shape, fp8, monkeypatch):
+    """The Hopper forwards (16-bit and FP8) with causal query blocks in 1, 2 and 3 launch sections of (batch, head)
+    pairs (as even as can be: 5 pairs in 3 are 2, 2 and 1) and by the rule: the same output and LSE bits as head
+    by head (a section a pair)."""
+    batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
+    if fp8 is None and head_dim not in configs.HOPPER_FWD_CONFIGS:
+        pytest.skip(f"no 16-bit Hopper forward at head_dim {head_dim}")
+    torch.manual_seed(seq_q)
+    q = randn(batch, heads_q, seq_q, head_dim, dtype=torch.bfloat16)
+    k, v = (randn(batch, heads_kv, seq_k, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    launches = hopper_launches(monkeypatch, "attention_fwd_hopper" if fp8 is None else "attention_fp8_fwd_hopper")
+    results = []
+    with configs.hopper_forward("always"), torch.no_grad():
+        for sections in (batch * heads_q, 1, 2, 3, None):
+            monkeypatch.setattr(configs, "CAUSAL_SECTIONS", sections)
+            results.append(flash_attention(q, k, v, causal=True, fp8=fp8, return_lse=True))
+    assert len(launches) == len(results) and torch.isfinite(results[0][0]).all()
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+@needs_hopper
 def test_hopper_forward_falls_back_where_it_does_not_apply(monkeypatch):
     """Inputs the Hopper kernel does not take run the Triton forward, with the right result."""
     launches = hopper_launches(monkeypatch)

@@ -112,3 +112,27 @@ def test_on_input_device_passes_calls_through():
     assert torch.equal(launcher(t, y=2), t + 2)
     assert launcher(3) == 4
     assert launcher.__name__ == "launcher"
+
+
+def test_causal_sections(monkeypatch):
+    """Launch sections of a causal forward: of at least one program per SM, more pairs while their K and V fit
+    CAUSAL_SECTION_KV_BYTES, a power of two pairs; at least 1 section; 1 without a mask; the override wins."""
+    gpu = torch.device("cuda")  # only its type is read: the SM count is stubbed
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", None)
+    sections = configs.causal_sections
+    assert sections(False, 32, 32, 1, 4096, 512, gpu) == 1
+    # FP8 at head_dim 256, (4, 8, 4096): 32 programs a pair -> 5 pairs for 132 SMs (2 MiB of K and V a pair -> 4),
+    # rounded up to 8: 4 sections
+    assert sections(True, 32, 32, 1, 4096, 512, gpu) == 4
+    # 16-bit at head_dim 128, (1, 16, 16384), 192-row programs: 86 a pair -> 2; 8 MiB a pair -> 1
+    assert sections(True, 16, 86, 1, 16384, 512, gpu) == 8
+    # FP8 at 128, (4, 16, 4096): 22 a pair -> 6; 1 MiB a pair -> 8; with 4 query heads a KV head -> 32
+    assert sections(True, 64, 22, 1, 4096, 256, gpu) == 8
+    assert sections(True, 64, 22, 4, 4096, 256, gpu) == 2
+    assert sections(True, 4, 22, 1, 4096, 256, gpu) == 1  # never fewer than one
+    assert sections(True, 15, 32, 1, 4096, 512, gpu) == 1  # 15 pairs by 8: one section of 15
+    assert sections(True, 24, 32, 1, 4096, 512, gpu) == 3
+    assert sections(True, 4, 1, 1, 1 << 30, 256, torch.device("cpu")) == 4  # one SM: a pair a section
+    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", 3)
+    assert sections(True, 64, 22, 1, 4096, 256, gpu) == 3 and sections(True, 2, 22, 1, 4096, 256, gpu) == 2
