@@ -32,8 +32,8 @@ import triton.language as tl
 
 from . import configs
 from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _key_block_coords, _load_rows, _query_block_coords,
-                            _query_block_key_range, _scale, _visible, dropout_args, hopper_device_ready, hopper_inputs_qualify, hopper_module, key_bias_arg,
-                            precision_for, split_scale)
+                            _query_block_key_range, _scale, _visible, dropout_args, hopper_device_ready,
+                            hopper_inputs_qualify, hopper_module, key_bias_arg, precision_for, split_scale)
 from .launch import launch_kernel
 
 
