@@ -5,9 +5,11 @@ host profile to $OUT; ``fp8acc`` measures how precisely FP8 ``tl.dot`` accumulat
 ``profile16k`` (per-kernel CUDA time of gpt2-small training steps at 16k, flash against SDPA) and ``bwdtiles``
 (head_dim-64 causal tiles of the forward and of each backward kernel at 16k, cuDNN beside them). Twenty-seventh
 session: ``launches`` (each kernel's GPU time in one forward + backward, bf16 and both FP8 modes, (4, 16, 4096,
-128)). Needs a CUDA GPU.
+128)). Thirty-fourth session: ``bwdsections`` (the causal backwards' launch sections against head by head,
+the op's backward). Needs a CUDA GPU.
 
     OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd fp8acc profile16k bwdtiles launches
+    OUT=/tmp python benchmarks/gpu_diagnostics.py bwdsections
 """
 import json
 import os
@@ -320,6 +322,30 @@ if "launches" in section:
                     log(sec="launches", what=f"fp8={fp8} {e.key[:100]}", D=128, N=4096, causal=causal,
                         calls=e.count // 10, us_per_step=round(e.self_device_time_total / 10, 1))
             log(sec="launches", what=f"fp8={fp8} total", D=128, N=4096, causal=causal, us_per_step=round(total, 1))
+
+if "bwdsections" in section:  # thirty-fourth session: the causal backwards' blocks in launch sections
+    # the op's backward (do_bench median: milliseconds, so the host's time per call hides behind the GPU's), head
+    # by head (a section a pair) against the rule, and the rule with a section's rows in 2 and 32 MiB
+    points = [("bf16", 4, 16, 4096, 128), ("bf16", 1, 16, 16384, 128), ("bf16", 2, 16, 8192, 128),
+              ("bf16", 4, 8, 4096, 256), ("bf16", 1, 8, 16384, 256), ("bf16", 4, 32, 4096, 64),
+              ("bf16", 1, 32, 16384, 64), ("bf16", 8, 12, 4096, 64),
+              ("full", 4, 16, 4096, 128), ("full", 1, 16, 16384, 128), ("full", 4, 8, 4096, 256),
+              ("full", 1, 8, 16384, 256)]
+    variants = [("head by head", 1 << 20, 8 << 20), ("rule", None, 8 << 20), ("rule 2 MiB", None, 2 << 20),
+                ("rule 32 MiB", None, 32 << 20)]
+    for rnd_ in range(2):
+        for mode, B, H, N, D in points:
+            q, k, v = rnd(B, H, N, D, grad=True)
+            dout = torch.randn_like(q)
+            out = flash_attention(q, k, v, causal=True, fp8=None if mode == "bf16" else "full")
+            for name, count, kv_bytes in variants:
+                configs.CAUSAL_SECTIONS, configs.CAUSAL_SECTION_KV_BYTES = count, kv_bytes
+                ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup=50,
+                              rep=200, return_mode="median")
+                log(sec="bwdsections", what=f"{mode} bwd {name} round {rnd_}", D=D, N=N, B=B, H=H, causal=True,
+                    ms=round(ms, 4), tf=tf(B, H, N, D, True, ms, bwd=True))
+            del q, k, v, dout, out
+    configs.CAUSAL_SECTIONS, configs.CAUSAL_SECTION_KV_BYTES = None, 8 << 20
 
 with open(f"{OUT}/diag1.json", "w") as fh:
     json.dump(rows, fh, indent=1)

@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _load_rows, _query_block_key_range, _scale, _visible,
-                            dropout_args, hopper_device_ready, hopper_inputs_qualify, hopper_module, key_bias_arg,
-                            precision_for, split_scale)
+from .attention_fwd import (LOG2E, _dropout_keep, _key_bias, _key_block_coords, _load_rows, _query_block_coords,
+                            _query_block_key_range, _scale, _visible, dropout_args, hopper_device_ready,
+                            hopper_inputs_qualify, hopper_module, key_bias_arg, precision_for, split_scale)
 from .launch import launch_kernel
 
 
@@ -143,7 +143,7 @@ def _dkdv_query_range(start_n, seq_q, causal_offset, CAUSAL: tl.constexpr, BLOCK
     return lo, mid, end
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "sections"])
 def attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, KB,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -154,7 +154,7 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_kbb,
     seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
-    seed, dropout_p, keep_scale, keep_scale_lo,
+    seed, dropout_p, keep_scale, keep_scale_lo, sections,
     SEQ_BUCKET,  # autotune key only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
@@ -164,11 +164,10 @@ def attention_bwd_dkdv_kernel(
     """One program: BLOCK_N keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK_N), H_kv, B).
 
     Q, DO: (B, H_q, seq_q, D); K, V, DK, DV: (B, H_kv, seq_k, D); LSE (log2 domain), DELTA: (B, H_q, seq_q)
-    contiguous; KB, seed, dropout_p as in the forward. Scales come as ``split_scale`` pairs.
+    contiguous; KB, seed, dropout_p as in the forward. Scales come as ``split_scale`` pairs. sections: the causal
+    launch sections of the (batch, KV head) pairs (``configs.causal_sections``).
     """
-    pid_n = tl.program_id(0)
-    off_hk = tl.program_id(1)
-    off_b = tl.program_id(2)
+    pid_n, off_hk, off_b = _key_block_coords(sections, CAUSAL)  # causal: heaviest (first) key blocks first
     heads_q = tl.num_programs(1) * GROUP
     acc_dtype = DELTA.dtype.element_ty
     start_n = pid_n * BLOCK_N
@@ -247,7 +246,7 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, str
     return dq
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "sections"])
 def attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, KB,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -257,18 +256,15 @@ def attention_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_kbb,
     seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
-    seed, dropout_p, keep_scale, keep_scale_lo,
+    seed, dropout_p, keep_scale, keep_scale_lo, sections,
     SEQ_BUCKET,  # autotune key only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B)."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest blocks of each head first (the forward's sections: untried)
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
+    """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B); sections
+    as in the forward."""
+    pid_m, off_h, off_b = _query_block_coords(sections, CAUSAL)  # causal: heaviest first
     off_hk = off_h // GROUP
     acc_dtype = DELTA.dtype.element_ty
     start_m = pid_m * BLOCK_M
@@ -366,15 +362,23 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=delta)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     scalars = (seq_q, seq_k, *split_scale(scale), *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed))
+    # causal launch sections, counted in blocks of the candidates' largest (the tuned one is not known before the
+    # launch, as in the forward); dK/dV streams Q and dO of its KV head's group (with LSE and delta), dQ K and V
+    block = 64 if head_dim > configs.WIDE_HEAD_DIM else 128
+    row_bytes = 2 * head_dim * q.element_size()
+    dkdv_sections = configs.causal_sections(causal, batch * heads_kv, configs.cdiv(seq_k, block), 1, seq_q,
+                                            group * (row_bytes + 2 * lse.element_size()), q.device)
+    dq_sections = configs.causal_sections(causal, batch * heads_q, configs.cdiv(seq_q, block), group, seq_k,
+                                          row_bytes, q.device)
     configs.launch("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
                    lambda m: (configs.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
                    (q, k, v, do, lse, delta, dk, dv, kb, *common, *dk.stride(), *dv.stride(), stride_kbb,
-                    *scalars, configs.seq_bucket(seq_q)), q.dtype, max(seq_q, seq_k), **meta,
+                    *scalars, dkdv_sections, configs.seq_bucket(seq_q)), q.dtype, max(seq_q, seq_k), **meta,
                    EVEN_M=seq_q % configs.EVEN_M_MULTIPLE == 0)
     configs.launch("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
                    lambda m: (configs.cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
                    (q, k, v, do, lse, delta, dq, kb, *common, *dq.stride(), stride_kbb,
-                    *scalars, configs.seq_bucket(seq_k)), q.dtype, max(seq_q, seq_k), **meta)
+                    *scalars, dq_sections, configs.seq_bucket(seq_k)), q.dtype, max(seq_q, seq_k), **meta)
     return dq, dk, dv
 
 

@@ -39,9 +39,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_fwd import LOG2E
+from .attention_fwd import LOG2E, _key_block_coords
 from .attention_fwd_hopper import _named_barrier, ensure_scratch_allocator
-from .configs import cdiv, hopper_bwd_meta
+from .configs import causal_sections, cdiv, hopper_bwd_meta
 from .launch import launch_kernel
 
 WG_KEYS = gl.constexpr(64)  # keys per warpgroup: one m64 wgmma
@@ -202,7 +202,7 @@ def _bwd_warpgroup(k_desc, v_desc, k_all, q_smem, do_smem, ds_smem, ready, empty
              mask=rows_o[:, None] < seq_k)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["sections"])
 def attention_bwd_hopper_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, DK, DV,
     stride_qb, stride_qh, stride_qm,
@@ -211,7 +211,7 @@ def attention_bwd_hopper_kernel(
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    seq_q, seq_k, qk_scale, sm_scale,
+    seq_q, seq_k, qk_scale, sm_scale, sections,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
@@ -220,11 +220,10 @@ def attention_bwd_hopper_kernel(
     Q, DO: (B, H, seq_q, D), K, V: (B, H, seq_k, D), unit stride along D; DK, DV like K, V. LSE (log2 domain)
     and DELTA: (B, H, seq_q) contiguous fp32. DQ: fp32, zero on entry, (B, H, cdiv(seq_q, 64) * 64, D) in
     fragment order per 64-row block (``_fragment_offsets``), without the softmax scale. qk_scale = scale *
-    log2(e). Causal needs seq_q == seq_k.
+    log2(e). Causal needs seq_q == seq_k; sections: its launch sections of the (batch, head) pairs
+    (``configs.causal_sections``).
     """
-    pid_n = gl.program_id(0)
-    off_h = gl.program_id(1)
-    off_b = gl.program_id(2)
+    pid_n, off_h, off_b = _key_block_coords(sections, CAUSAL)  # causal: heaviest (first) key blocks first
     start_n = pid_n * (2 * WG_KEYS)
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -329,9 +328,13 @@ def attention_bwd_hopper(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     ensure_scratch_allocator()
+    grid = (cdiv(seq_k, 2 * WG_KEYS.value), heads, batch)
+    # a program streams Q and dO (with LSE and delta) of its (batch, head)
+    sections = causal_sections(causal, batch * heads, grid[0], 1, seq_q, 2 * head_dim * q.element_size() + 8,
+                               q.device)
     launch_kernel(
-        attention_bwd_hopper_kernel, (cdiv(seq_k, 2 * WG_KEYS.value), heads, batch),
+        attention_bwd_hopper_kernel, grid,
         q, k, v, do, lse, delta, dq_acc, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *do.stride()[:3], *dk.stride(), *dv.stride(), seq_q, seq_k, scale * LOG2E, scale,
+        *do.stride()[:3], *dk.stride(), *dv.stride(), seq_q, seq_k, scale * LOG2E, scale, sections,
         HEAD_DIM=head_dim, CAUSAL=causal, **hopper_bwd_meta(head_dim), num_warps=4)
     dq_from_fragments(dq_acc, dq, scale)

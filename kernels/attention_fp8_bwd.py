@@ -45,7 +45,8 @@ import triton.language as tl
 
 from . import configs
 from .attention_bwd import _dkdv_query_range
-from .attention_fwd import LOG2E, _load_rows, _query_block_key_range, split_scale
+from .attention_fwd import (LOG2E, _key_block_coords, _load_rows, _query_block_coords, _query_block_key_range,
+                            split_scale)
 from .fp8_quant import (MIN_SCALE, SOFTWARE_ROUNDING, _chunked_amax, _prepared_rows, _quantize_with_pow2_scale,
                         _store_copies, _tile_scale, _to_e4m3, fp8_quantize, quant_chunk, quantize_scores_operands,
                         transposed_e4m3)
@@ -169,11 +170,11 @@ def _attention_fp8_bwd_dkdv_inner(dk, dv, dk_unit, inv_dv_unit, k, v, k_scale, v
     return dk, dv, dk_unit
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sections"])
 def attention_fp8_bwd_dkdv_kernel(
     Q8, QT8, QS, K8, KS, V8, VS, DO8, DOT8, DOS, DV_UNIT, LSE, DELTA, SIGNS, DK, DK_SUM, DV,
     stride_qt_h, stride_qt_row, stride_dot_h, stride_dot_row,
-    seq_q, seq_k, qk_scale, sm_scale, norm, norm_lo,
+    seq_q, seq_k, qk_scale, sm_scale, norm, norm_lo, sections,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_M: tl.constexpr, SCALE_N: tl.constexpr,
@@ -192,11 +193,10 @@ def attention_fp8_bwd_dkdv_kernel(
     HEAD_DIM. KEY_SUMS: DK_SUM (B, H_kv, cdiv(seq_k, BLOCK_N), HEAD_DIM) fp32 gets each program's sum of dK
     over its keys (fp32, before DK's rounding), for the centring of K smoothing's backward. EVEN: seq_q %
     BLOCK_M == 0 and seq_k % BLOCK_N == 0 (else every tile is masked). SETTLE_DK: wait for dK's wgmma within
-    each step (``_settled``; GPU only).
+    each step (``_settled``; GPU only). sections: the causal launch sections of the (batch, KV head) pairs
+    (``configs.causal_sections``).
     """
-    pid_n = tl.program_id(0)
-    off_hk = tl.program_id(1)
-    off_b = tl.program_id(2)
+    pid_n, off_hk, off_b = _key_block_coords(sections, CAUSAL)  # causal: heaviest (first) key blocks first
     heads_kv = tl.num_programs(1)
     heads_q = heads_kv * GROUP
     scale_tiles_q = tl.cdiv(seq_q, SCALE_M)
@@ -288,11 +288,11 @@ def _attention_fp8_bwd_dq_inner(dq, q, do, q_scale, do_scale, lse2, delta, k_row
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sections"])
 def attention_fp8_bwd_dq_kernel(
     Q8, QS, K8, KT8, KS, V8, VS, DO8, DOS, LSE, DELTA, SIGNS, DQ,
     stride_kt_h, stride_kt_row,
-    seq_q, seq_k, qk_scale, sm_scale, norm, norm_lo,
+    seq_q, seq_k, qk_scale, sm_scale, norm, norm_lo, sections,
     GROUP: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_M: tl.constexpr, SCALE_N: tl.constexpr,
@@ -300,10 +300,8 @@ def attention_fp8_bwd_dq_kernel(
 ):
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B).
     Tensors and ROTATED as in the dK/dV kernel; KT8: K8 transposed as QT8 is; DQ (B, H_q, seq_q, HEAD_DIM),
-    contiguous, rotated back as dK is."""
-    pid_m = tl.program_id(0)
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
+    contiguous, rotated back as dK is; sections as in the forward."""
+    pid_m, off_h, off_b = _query_block_coords(sections, CAUSAL)  # causal: heaviest first
     heads_q = tl.num_programs(1)
     start_m = pid_m * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -484,16 +482,24 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
                   SCALE_M=scale_m, SCALE_N=scale_n, ROTATED=signs is not None)
     signs = lse if signs is None else signs  # a placeholder pointer when not ROTATED
     scalars = (seq_q, seq_k, scale * LOG2E, scale, *split_scale(1.0 / math.sqrt(qk_dim)))
+    group = heads_q // heads_kv
+    dq_cfg = tiles["dq"]
+    dq_grid = (configs.cdiv(seq_q, dq_cfg["BLOCK_M"]), heads_q, batch)
+    # causal launch sections (``configs.causal_sections``): dK/dV streams its group's Q8 and dO8 in both layouts
+    # (with LSE and delta), dQ K8 in both layouts and V8
+    dkdv_sections = configs.causal_sections(causal, batch * heads_kv, dkdv_grid[0], 1, seq_q,
+                                            group * (2 * (qk_dim + head_dim) + 8), do.device)
+    dq_sections = configs.causal_sections(causal, batch * heads_q, dq_grid[0], group, seq_k,
+                                          2 * qk_dim + head_dim, do.device)
     launch_kernel(
         attention_fp8_bwd_dkdv_kernel, dkdv_grid,
         q8, q8_t, q_scales, k8, k_scales, v8, v_scales, do8, do8_t, do_scales, dv_unit, lse, delta, signs, dk,
         dk if dk_sums is None else dk_sums, dv, q8_t.stride(1), q8_t.stride(2), do8_t.stride(1), do8_t.stride(2),
-        *scalars, EVEN=seq_q % dkdv["BLOCK_M"] == 0 and seq_k % dkdv["BLOCK_N"] == 0, KEY_SUMS=key_sums, **common,
-        **dkdv)
-    dq_cfg = tiles["dq"]
+        *scalars, dkdv_sections, EVEN=seq_q % dkdv["BLOCK_M"] == 0 and seq_k % dkdv["BLOCK_N"] == 0,
+        KEY_SUMS=key_sums, **common, **dkdv)
     launch_kernel(
-        attention_fp8_bwd_dq_kernel, (configs.cdiv(seq_q, dq_cfg["BLOCK_M"]), heads_q, batch),
+        attention_fp8_bwd_dq_kernel, dq_grid,
         q8, q_scales, k8, k8_t, k_scales, v8, v_scales, do8, do_scales, lse, delta, signs, dq,
-        k8_t.stride(1), k8_t.stride(2), *scalars,
+        k8_t.stride(1), k8_t.stride(2), *scalars, dq_sections,
         EVEN=seq_q % dq_cfg["BLOCK_M"] == 0 and seq_k % dq_cfg["BLOCK_N"] == 0, **common, **dq_cfg)
     return dq, dk, dv, dk_sums

@@ -67,10 +67,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from . import configs
-from .attention_fwd import LOG2E
-from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _masked_scores, _pass_turn,
-                                   _query_block_coords, _start_q_load, _unmasked_blocks, _wait_turn,
-                                   ensure_scratch_allocator)
+from .attention_fwd import LOG2E, _query_block_coords
+from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _masked_scores, _pass_turn, _start_q_load,
+                                   _unmasked_blocks, _wait_turn, ensure_scratch_allocator)
 from .configs import cdiv, fp8_hopper_fwd_meta
 from .fp8_quant import MIN_SCALE
 from .launch import launch_kernel

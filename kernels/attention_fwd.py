@@ -58,7 +58,8 @@ def _query_block_coords(sections, CAUSAL: tl.constexpr):
     split into ``sections`` runs of consecutive pairs as even as can be (``configs.causal_sections``: the first
     pairs % sections one pair larger), and within a section the heaviest blocks go first across its pairs (the
     last query block of each, then the one before, ...). SMs take programs in launch order as they free up, so
-    the grid ends on light blocks; head by head (sections = pairs) it ended on the last heads' heaviest."""
+    the grid ends on light blocks; head by head (sections = pairs) it ended on the last heads' heaviest. The Gluon
+    kernels call it too (their PTX is the same as with a Gluon copy of it)."""
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -80,6 +81,17 @@ def _query_block_coords(sections, CAUSAL: tl.constexpr):
         off_b = pair // heads
         pid_m = n_m - 1 - within // size
     return pid_m, off_h, off_b
+
+
+@triton.jit
+def _key_block_coords(sections, CAUSAL: tl.constexpr):
+    """(key block, head, batch) of this program in a grid (cdiv(seq_k, BLOCK_N), H, B): ``_query_block_coords``
+    with the blocks' weights reversed. Causal, key block j is seen by the query rows from j's first key on, so
+    the first key blocks are the heaviest: within each section they go first across its pairs."""
+    pid_n, off_h, off_b = _query_block_coords(sections, CAUSAL)
+    if CAUSAL:
+        pid_n = tl.num_programs(0) - 1 - pid_n
+    return pid_n, off_h, off_b
 
 
 @triton.jit

@@ -36,39 +36,12 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.runtime._allocation import NullAllocator, _allocator
 
 from . import configs
-from .attention_fwd import LOG2E
+from .attention_fwd import LOG2E, _query_block_coords
 from .configs import cdiv, hopper_fwd_meta
 from .launch import launch_kernel
 
 WG_ROWS = gl.constexpr(64)  # query rows per softmax warpgroup: one m64 wgmma
 FIRST_TURN_BARRIER = gl.constexpr(10)  # named barriers 10.. for the ping-pong; Gluon's partitions use the low ids
-
-
-@gluon.jit
-def _query_block_coords(sections, CAUSAL: gl.constexpr):
-    """``attention_fwd._query_block_coords`` for Gluon kernels: (query block, head, batch) of this program in a
-    grid (cdiv(seq_q, BLOCK_M), H_q, B); causal, heaviest first within each of ``sections`` runs of pairs."""
-    pid_m = gl.program_id(0)
-    off_h = gl.program_id(1)
-    off_b = gl.program_id(2)
-    if CAUSAL:
-        n_m = gl.num_programs(0)
-        heads = gl.num_programs(1)
-        pairs = heads * gl.num_programs(2)
-        launched = pid_m + n_m * (off_h + heads * off_b)  # x fastest: the order programs are launched in
-        size = pairs // sections  # the last sections' pairs; the first `larger` have one more
-        larger = pairs - size * sections
-        in_larger = launched < larger * (size + 1) * n_m
-        rel = gl.where(in_larger, launched, launched - larger * (size + 1) * n_m)
-        first = gl.where(in_larger, 0, larger * (size + 1))  # the first pair of the run rel counts from
-        size = gl.where(in_larger, size + 1, size)
-        section = rel // (size * n_m)
-        within = rel - section * (size * n_m)
-        pair = first + section * size + within % size
-        off_h = pair % heads
-        off_b = pair // heads
-        pid_m = n_m - 1 - within // size
-    return pid_m, off_h, off_b
 
 
 @gluon.jit

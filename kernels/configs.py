@@ -100,10 +100,11 @@ def on_input_device(launcher):
     return launch_on_input_device
 
 
-# Causal forwards launch their query blocks heaviest first within sections of (batch, head) pairs
-# (``attention_fwd._query_block_coords``); ``causal_sections`` sizes them. A section needs at least one query
-# block per SM, so that its lighter blocks fill in behind its heavy ones (a last section smaller than that ends the
-# grid on heavy blocks: the sections are as even as can be), and may grow while its K and V fit
+# Causal kernels launch their blocks heaviest first within sections of (batch, head) pairs (the forwards' and
+# dQ's query blocks: ``attention_fwd._query_block_coords``; dK/dV's key blocks: ``_key_block_coords``);
+# ``causal_sections`` sizes them. A section needs at least one block per SM, so that its lighter blocks fill in
+# behind its heavy ones (a last section smaller than that ends the grid on heavy blocks: the sections are as even
+# as can be), and may grow while the rows it streams (the forwards' and dQ's K and V, dK/dV's Q and dO) fit
 # CAUSAL_SECTION_KV_BYTES, so that the blocks running together share them in L2 (50 MB on an H100, 60 on an H200);
 # rounded up to a power of two, which divides the usual head and batch counts. Measured on the H200
 # (benchmarks/NOTES.md, thirty-third session; each kernel alone, causal, GPU time, sections of 1 pair (head by
@@ -117,24 +118,31 @@ def on_input_device(launcher):
 # FP8 at 256 (4, 8, 4096) 551 -> 497 us, (1, 8, 16384) 1364 -> 1348; at 128 (4, 16, 4096) 538 -> 516, (1, 16, 16384)
 # 1408 -> 1370, (2, 16, 8192) 823 -> 794; 16-bit at 256 (4, 8, 4096) 790 -> 729, (1, 8, 4096) 270 -> 176; at 128
 # (4, 16, 4096) 524-560 -> 534-570 (two rounds each: no change beyond their spread), (1, 16, 16384) 1957 -> 1901.
+# The backwards (thirty-fourth session; the op's backward, do_bench medians of two rounds, head by head -> rule):
+# bf16 at 128 (4, 16, 4096) 2.04-2.08 -> 2.02-2.03 ms, (2, 16, 8192) 3.73-3.76 -> 3.64-3.68, (1, 16, 16384) level;
+# at 64 (8, 12, 4096) 1.50-1.56 -> 1.48-1.50; at 256 level; FP8 "full" at 128 (4, 16, 4096) 2.00 -> 1.90-1.91, at
+# 256 (4, 8, 4096) 3.09-3.10 -> 3.01, at 16k level to -2%. Sections of 2 or 32 MiB instead of 8: no better overall
+# (2 MiB: bf16 at 64 (4, 32, 4096) 5-7% slower; 32 MiB: 1-3% slower at 16k but for bf16 at 256, 0.6% faster).
 CAUSAL_SECTION_KV_BYTES = 8 << 20
 # The number of sections instead of the rule (tests; None: the rule)
 CAUSAL_SECTIONS: int | None = None
 
 
-def causal_sections(causal: bool, pairs: int, query_blocks: int, group: int, seq_k: int, kv_bytes_per_key: int,
+def causal_sections(causal: bool, pairs: int, blocks: int, group: int, seq: int, bytes_per_row: int,
                     device: torch.device) -> int:
-    """Launch sections of a causal forward with ``pairs`` (batch, query head) pairs of ``query_blocks`` programs
-    each, ``group`` query heads per KV head, and K and V taking ``kv_bytes_per_key`` bytes a key: sections of at
-    least one program per SM, more pairs while their K and V fit CAUSAL_SECTION_KV_BYTES, a power of two; from 1
-    to pairs. Without a mask 1 (the kernels do not read it)."""
+    """Launch sections of a causal kernel with ``pairs`` (batch, head) pairs of ``blocks`` programs each, whose
+    programs stream ``seq`` rows of ``bytes_per_row`` bytes that ``group`` pairs share: sections of at least one
+    program per SM, more pairs while the rows they stream fit CAUSAL_SECTION_KV_BYTES, a power of two; from 1 to
+    pairs. The forward and dQ stream K and V (``seq`` = seq_k) of a KV head that its ``group`` query heads share;
+    dK/dV streams Q, dO, LSE and delta (``seq`` = seq_q) of a KV head's whole group of query heads, one pair
+    alone. Without a mask 1 (the kernels do not read it)."""
     if not causal:
         return 1
     if CAUSAL_SECTIONS is not None:
         return max(1, min(CAUSAL_SECTIONS, pairs))
     sms = sm_count(device) if device.type == "cuda" else 1
-    balance = cdiv(sms, max(1, query_blocks))
-    footprint = CAUSAL_SECTION_KV_BYTES * group // max(1, seq_k * kv_bytes_per_key)
+    balance = cdiv(sms, max(1, blocks))
+    footprint = CAUSAL_SECTION_KV_BYTES * group // max(1, seq * bytes_per_row)
     per_section = 1 << (max(balance, footprint, 1) - 1).bit_length()
     return max(1, pairs // per_section)
 

@@ -197,14 +197,19 @@ def test_long_sequence_tiles(causal, device):
 @pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("sections", [1, 3, None], ids=["1", "3", "rule"])
 def test_causal_launch_sections(sections, device, monkeypatch):
-    """Causal query blocks are launched heaviest first within sections of (batch, head) pairs
-    (``configs.causal_sections``); the sections only decide which program computes which block, so the output
-    and LSE are the same bits as head by head (8 sections of 1 pair). 8 pairs (GQA) of 3 query blocks in the
-    interpreter's 32-row tiles, in one section, in 3 (of 3, 3 and 2 pairs) and by the rule."""
-    q, k, v = make_qkv((2, 4, 2, 70, 90, 24), torch.float32, device)
-    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", 8)
-    head_by_head = flash_attention(q, k, v, causal=True, return_lse=True)
-    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", sections)
-    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
-    assert torch.equal(out, head_by_head[0]) and torch.equal(lse, head_by_head[1])
-    check_forward(q, k, v, True)
+    """Causal blocks are launched heaviest first within sections of (batch, head) pairs
+    (``configs.causal_sections``): the forward's and dQ's query blocks, dK/dV's key blocks. The sections only
+    decide which program computes which block, so the output, LSE and gradients are the same bits as head by
+    head (a section a pair). 8 query-head pairs (GQA: 4 KV-head pairs) of 3 query blocks in the interpreter's
+    32-row tiles (dK/dV: 3 key blocks of 32), in one section, in 3 (of 3, 3 and 2 pairs; dK/dV 2, 1 and 1) and
+    by the rule."""
+    q, k, v = make_qkv((2, 4, 2, 70, 90, 24), torch.float32, device, requires_grad=True)
+    dout = torch.randn_like(q)
+    runs = []
+    for count in (8, sections):  # 8: head by head (the override is capped at each kernel's pair count)
+        monkeypatch.setattr(configs, "CAUSAL_SECTIONS", count)
+        out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+        runs.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
+    for got, head_by_head in zip(runs[1], runs[0]):
+        assert torch.equal(got, head_by_head)
+    check_forward(q.detach(), k.detach(), v.detach(), True)

@@ -473,13 +473,15 @@ def test_fp8_hopper_launcher_checks_the_q_tiles():
 @pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("sections", [1, 3, None], ids=["1", "3", "rule"])
 def test_causal_launch_sections(sections, device, monkeypatch):
-    """The FP8 forward's causal query blocks in launch sections of (batch, head) pairs
-    (``configs.causal_sections``): the same output and LSE bits as head by head, 8 pairs (GQA) of 3 query blocks
-    in 1 section, 3 (of 3, 3 and 2 pairs) and by the rule."""
-    q, k, v = make((2, 4, 2, 70, 90, 40), device)
-    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", 8)
-    head_by_head = flash_attention(q, k, v, causal=True, fp8="forward", return_lse=True)
-    monkeypatch.setattr(configs, "CAUSAL_SECTIONS", sections)
-    out, lse = flash_attention(q, k, v, causal=True, fp8="forward", return_lse=True)
-    assert torch.equal(out, head_by_head[0]) and torch.equal(lse, head_by_head[1])
-    assert torch.isfinite(out).all()
+    """The FP8 forward's and ``"full"`` backward's causal blocks in launch sections of (batch, head) pairs
+    (``configs.causal_sections``): the same output, LSE and gradient bits as head by head, 8 query-head pairs
+    (GQA: 4 KV-head pairs) of 3 query blocks (dK/dV: 3 key blocks) in 1 section, 3 and by the rule."""
+    q, k, v = make((2, 4, 2, 70, 90, 40), device, requires_grad=True)
+    dout = torch.randn_like(q)
+    runs = []
+    for count in (8, sections):  # 8: head by head (the override is capped at each kernel's pair count)
+        monkeypatch.setattr(configs, "CAUSAL_SECTIONS", count)
+        out, lse = flash_attention(q, k, v, causal=True, fp8="full", return_lse=True)
+        runs.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
+    for got, head_by_head in zip(runs[1], runs[0]):
+        assert torch.isfinite(got).all() and torch.equal(got, head_by_head)

@@ -330,6 +330,43 @@ def test_hopper_backward_strided_views(causal, monkeypatch):
     assert len(launches) == 1
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("path, shape", [
+    ("triton", (2, 6, 3, 1000, 1000, 128)), ("triton", (1, 5, 5, 4096, 4096, 128)),
+    ("triton", (3, 2, 1, 700, 900, 256)), ("triton", (1, 4, 4, 4096, 4096, 256)),
+    ("hopper", (2, 3, 3, 1000, 1000, 64)), ("hopper", (1, 5, 5, 8192, 8192, 64)),
+    ("fp8", (3, 4, 2, 300, 357, 128)), ("fp8", (1, 5, 5, 4096, 4096, 128)), ("fp8", (1, 4, 4, 4096, 4096, 256)),
+], ids=str)
+def test_backward_causal_sections(path, shape, monkeypatch):
+    """The causal backwards with their blocks in 1, 2 and 3 launch sections of (batch, head) pairs and by the rule
+    (dQ's query blocks, dK/dV's key blocks; ``configs.causal_sections``), against head by head: the same dK and
+    dV bits, and dQ's too but for the Hopper kernel ("hopper", forced on), whose dQ sums with atomics in the
+    order its programs run (there within 1e-3 of head by head's, relative to dQ's largest)."""
+    batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
+    if path == "hopper" and not (torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the Hopper backward runs on sm_90 GPUs only")
+    torch.manual_seed(seq_q + head_dim)
+    q, dout = (randn(batch, heads_q, seq_q, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (randn(batch, heads_kv, seq_k, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    fp8 = "full" if path == "fp8" else None
+    launches = hopper_launches(monkeypatch, "attention_bwd_hopper")
+    results = []
+    with configs.hopper_backward("always" if path == "hopper" else "never"):
+        for sections in (batch * heads_q, 1, 2, 3, None):
+            monkeypatch.setattr(configs, "CAUSAL_SECTIONS", sections)
+            results.append(outputs_and_grads(lambda *t: flash_attention(*t, causal=True, fp8=fp8), q, k, v, dout))
+    assert len(launches) == (len(results) if path == "hopper" else 0)
+    head_by_head = results[0]
+    assert all(torch.isfinite(t).all() for t in head_by_head)
+    for out, dq, dk, dv in results[1:]:
+        assert torch.equal(out, head_by_head[0]) and torch.equal(dk, head_by_head[2])
+        assert torch.equal(dv, head_by_head[3])
+        if path == "hopper":
+            assert (dq - head_by_head[1]).abs().max() <= 1e-3 * head_by_head[1].abs().max()
+        else:
+            assert torch.equal(dq, head_by_head[1])
+
+
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_backward_error_at_most_twice_sdpa_flash_at_16k(causal, monkeypatch):

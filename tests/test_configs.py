@@ -115,8 +115,9 @@ def test_on_input_device_passes_calls_through():
 
 
 def test_causal_sections(monkeypatch):
-    """Launch sections of a causal forward: of at least one program per SM, more pairs while their K and V fit
-    CAUSAL_SECTION_KV_BYTES, a power of two pairs; at least 1 section; 1 without a mask; the override wins."""
+    """Launch sections of a causal kernel: of at least one program per SM, more pairs while the rows they stream
+    (the forward's and dQ's K and V, dK/dV's Q and dO) fit CAUSAL_SECTION_KV_BYTES, a power of two pairs; at least
+    1 section; 1 without a mask; the override wins."""
     gpu = torch.device("cuda")  # only its type is read: the SM count is stubbed
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     monkeypatch.setattr(configs, "CAUSAL_SECTIONS", None)
@@ -134,5 +135,10 @@ def test_causal_sections(monkeypatch):
     assert sections(True, 15, 32, 1, 4096, 512, gpu) == 1  # 15 pairs by 8: one section of 15
     assert sections(True, 24, 32, 1, 4096, 512, gpu) == 3
     assert sections(True, 4, 1, 1, 1 << 30, 256, torch.device("cpu")) == 4  # one SM: a pair a section
+    # bf16 dK/dV at 128, (4, 16, 4096), 128-key blocks: 32 a pair -> 5; Q and dO with LSE and delta, 520 bytes a
+    # query row: 2 pairs in 8 MiB -> 8 a section
+    assert sections(True, 64, 32, 1, 4096, 520, gpu) == 8
+    # with 4 query heads a KV head, a pair streams 4 heads' rows: 16 KV pairs of 32 -> 8 a section
+    assert sections(True, 16, 32, 1, 4096, 4 * 520, gpu) == 2
     monkeypatch.setattr(configs, "CAUSAL_SECTIONS", 3)
     assert sections(True, 64, 22, 1, 4096, 256, gpu) == 3 and sections(True, 2, 22, 1, 4096, 256, gpu) == 2
