@@ -362,13 +362,14 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=delta)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     scalars = (seq_q, seq_k, *split_scale(scale), *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed))
-    # causal launch sections, counted in blocks of the candidates' largest (the tuned one is not known before the
-    # launch, as in the forward); dK/dV streams Q and dO of its KV head's group (with LSE and delta), dQ K and V
-    block = 64 if head_dim > configs.WIDE_HEAD_DIM else 128
+    # causal launch sections (``configs.largest_tile``): dK/dV streams Q and dO of its KV head's group (with LSE
+    # and delta), dQ K and V
     row_bytes = 2 * head_dim * q.element_size()
-    dkdv_sections = configs.causal_sections(causal, batch * heads_kv, configs.cdiv(seq_k, block), 1, seq_q,
+    dkdv_sections = configs.causal_sections(causal, batch * heads_kv,
+                                            configs.cdiv(seq_k, configs.largest_tile("dkdv", head_dim)), 1, seq_q,
                                             group * (row_bytes + 2 * lse.element_size()), q.device)
-    dq_sections = configs.causal_sections(causal, batch * heads_q, configs.cdiv(seq_q, block), group, seq_k,
+    dq_sections = configs.causal_sections(causal, batch * heads_q,
+                                          configs.cdiv(seq_q, configs.largest_tile("dq", head_dim)), group, seq_k,
                                           row_bytes, q.device)
     configs.launch("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
                    lambda m: (configs.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),

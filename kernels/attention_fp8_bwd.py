@@ -477,12 +477,12 @@ def attention_fp8_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, s
     v8, v_scales = fp8_quantize(v, scale_n)
     do8, do_scales, do8_t, delta = quantize_do_and_delta(do, out, dlse, scale_m)  # delta from the dO8 that dP sees
     dv_unit = do_scales.view(batch * heads_kv, -1).amax(dim=1)  # (B * H_kv,): each group's dO scales, contiguous
-    common = dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
+    group = heads_q // heads_kv
+    common = dict(GROUP=group, QK_DIM=qk_dim, HEAD_DIM=head_dim, BLOCK_DK=configs.fp8_block_d(qk_dim),
                   BLOCK_DV=configs.fp8_block_d(head_dim), CAUSAL=causal,
                   SCALE_M=scale_m, SCALE_N=scale_n, ROTATED=signs is not None)
     signs = lse if signs is None else signs  # a placeholder pointer when not ROTATED
     scalars = (seq_q, seq_k, scale * LOG2E, scale, *split_scale(1.0 / math.sqrt(qk_dim)))
-    group = heads_q // heads_kv
     dq_cfg = tiles["dq"]
     dq_grid = (configs.cdiv(seq_q, dq_cfg["BLOCK_M"]), heads_q, batch)
     # causal launch sections (``configs.causal_sections``): dK/dV streams its group's Q8 and dO8 in both layouts

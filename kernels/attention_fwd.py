@@ -327,10 +327,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=lse)
     args = (q, k, v, out, lse, kb, *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_kbb,
             seq_q, seq_k, *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed),
-            # query blocks of 128 rows, the candidates' largest: the tuned BLOCK_M is not known before the launch,
-            # and with 64 the sections hold twice the programs they need
-            configs.causal_sections(causal, batch * heads_q, configs.cdiv(seq_q, 128), heads_q // heads_kv, seq_k,
-                                    2 * head_dim * k.element_size(), q.device),
+            configs.causal_sections(causal, batch * heads_q,
+                                    configs.cdiv(seq_q, configs.largest_tile("fwd", head_dim)),
+                                    heads_q // heads_kv, seq_k, 2 * head_dim * k.element_size(), q.device),
             configs.seq_bucket(seq_k))
     configs.launch("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, q.dtype, max(seq_q, seq_k),
                    GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),

@@ -290,6 +290,18 @@ DQ_CANDIDATES_WIDE = _configs([
 ])
 WIDE_HEAD_DIM = 128  # head_dim above this takes the _WIDE lists
 
+
+@functools.cache  # every launch asks (host time): the candidate lists are fixed
+def largest_tile(kernel: str, head_dim: int) -> int:
+    """The most rows a tile of the tuned ``kernel`` may hold at ``head_dim``, over the candidates the tuner picks
+    from: query rows (BLOCK_M) for 'fwd' and 'dq', keys (BLOCK_N) for 'dkdv'. The launchers count their causal
+    sections in tiles of this size, since the tuned tile is not known before the launch (with a smaller one the
+    sections would hold more programs than they need)."""
+    key, narrow, wide = {"fwd": ("BLOCK_M", FWD_CANDIDATES, FWD_CANDIDATES_WIDE),
+                         "dkdv": ("BLOCK_N", DKDV_CANDIDATES, DKDV_CANDIDATES_WIDE),
+                         "dq": ("BLOCK_M", DQ_CANDIDATES, DQ_CANDIDATES_WIDE)}[kernel]
+    return max(c.kwargs[key] for c in (wide if head_dim > WIDE_HEAD_DIM else narrow))
+
 # The Hopper (sm_90) forward of attention_fwd_hopper.py, per head_dim: (BLOCK_N, STAGES, CONSUMERS, consumer
 # warpgroup registers, loader registers, ping-pong when causal, ping-pong otherwise). Fixed, not tuned: picked on
 # the H200 (benchmarks/NOTES.md, eighth session). Shared memory STAGES * 2 * BLOCK_N * D * 2 bytes of K/V plus

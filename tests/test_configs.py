@@ -142,3 +142,10 @@ def test_causal_sections(monkeypatch):
     assert sections(True, 16, 32, 1, 4096, 4 * 520, gpu) == 2
     monkeypatch.setattr(configs, "CAUSAL_SECTIONS", 3)
     assert sections(True, 64, 22, 1, 4096, 256, gpu) == 3 and sections(True, 2, 22, 1, 4096, 256, gpu) == 2
+
+
+def test_largest_tile():
+    """The tile the causal sections are counted in: the largest the tuner may pick for the head_dim, per kernel."""
+    assert [configs.largest_tile(kernel, 128) for kernel in ("fwd", "dkdv", "dq")] == [128, 128, 128]
+    assert [configs.largest_tile(kernel, 256) for kernel in ("fwd", "dkdv", "dq")] == [128, 64, 64]
+    assert configs.largest_tile("dkdv", 64) == max(c.kwargs["BLOCK_N"] for c in configs.DKDV_CANDIDATES)
