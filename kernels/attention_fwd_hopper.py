@@ -179,13 +179,26 @@ def _attend_blocks(lo, hi, p, m_i, l_i, acc, q_smem, k_smem, v_smem, ready, empt
 
 
 @gluon.jit
-def _softmax_warpgroup(q_desc, k_smem, v_smem, ready, empty, O, LSE, lse_row0, stride_om, stride_od, seq_q, seq_k,
-                       cta_start_m, n_blocks, causal_offset, qk_scale,
+def _output_bases(O, LSE, stride_ob, stride_oh, seq_q, sections, CAUSAL: gl.constexpr):
+    """This program's output rows and LSE row, from its block coordinates computed again where they are stored:
+    taken before the main loop, as the causal launch sections made them (computed, no longer the program ids
+    that ptxas can read again at the end), the two 64-bit bases stayed live through it and spilled (head_dim 64:
+    204 bytes of spill stores; its causal 16k forward 2.33 -> 2.57 ms, benchmarks/NOTES.md, thirty-fourth
+    session)."""
+    _, off_h, off_b = _query_block_coords(sections, CAUSAL)
+    o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+    lse_base = LSE + (off_b.to(gl.int64) * gl.num_programs(1) + off_h) * seq_q
+    return o_base, lse_base
+
+
+@gluon.jit
+def _softmax_warpgroup(q_desc, k_smem, v_smem, ready, empty, O, LSE, stride_ob, stride_oh, stride_om, stride_od,
+                       seq_q, seq_k, cta_start_m, n_blocks, causal_offset, qk_scale, sections,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """Softmax warpgroup WG of the CTA whose rows start at cta_start_m: query rows [start_m, start_m + 64),
-    start_m = cta_start_m + 64 * WG, against key blocks [0, n_blocks). O points at this (batch, head)'s output
-    rows, LSE at its LSE row."""
+    start_m = cta_start_m + 64 * WG, against key blocks [0, n_blocks). O, LSE: the kernel's; its (batch, head)
+    rows are found again after the main loop (``_output_bases``)."""
     start_m = cta_start_m + WG * WG_ROWS
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -233,9 +246,10 @@ def _softmax_warpgroup(q_desc, k_smem, v_smem, ready, empty, O, LSE, lse_row0, s
     out = acc / gl.convert_layout(l_i, row_o)[:, None]
     rows_o = start_m + gl.arange(0, WG_ROWS, layout=row_o)
     cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(O + rows_o[:, None].to(gl.int64) * stride_om + cols_o[None, :] * stride_od, out.to(dtype),
+    o_base, lse_base = _output_bases(O, LSE, stride_ob, stride_oh, seq_q, sections, CAUSAL)
+    gl.store(o_base + rows_o[:, None].to(gl.int64) * stride_om + cols_o[None, :] * stride_od, out.to(dtype),
              mask=rows_o[:, None] < seq_q)
-    gl.store(LSE + lse_row0 + rows, m_i + gl.log2(l_i), mask=rows < seq_q)
+    gl.store(lse_base + rows, m_i + gl.log2(l_i), mask=rows < seq_q)
 
 
 @gluon.jit(do_not_specialize=["sections"])
@@ -271,8 +285,6 @@ def attention_fwd_hopper_kernel(
                                         [seq_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_layout)
     v_desc = tma.make_tensor_descriptor(V + off_b.to(gl.int64) * stride_vb + off_hk.to(gl.int64) * stride_vh,
                                         [seq_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_layout)
-    o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-    lse_row0 = (off_b.to(gl.int64) * gl.num_programs(1) + off_h) * seq_q
 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -291,26 +303,26 @@ def attention_fwd_hopper_kernel(
     # literal argument tuples, so the lists are written out)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
-                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                                  CAUSAL, CONSUMERS, PINGPONG, 0)),
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
-                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                                  CAUSAL, CONSUMERS, PINGPONG, 1)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, O, LSE, stride_ob, stride_oh, stride_om,
+                                  stride_od, seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, sections,
+                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, CONSUMERS, PINGPONG, 0)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, O, LSE, stride_ob, stride_oh, stride_om,
+                                  stride_od, seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, sections,
+                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, CONSUMERS, PINGPONG, 1)),
             (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES, False)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "CONSUMERS is 2 or 3")
         gl.warp_specialize([
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
-                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                                  CAUSAL, CONSUMERS, PINGPONG, 0)),
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
-                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                                  CAUSAL, CONSUMERS, PINGPONG, 1)),
-            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, o_base, LSE, lse_row0, stride_om, stride_od,
-                                  seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES,
-                                  CAUSAL, CONSUMERS, PINGPONG, 2)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, O, LSE, stride_ob, stride_oh, stride_om,
+                                  stride_od, seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, sections,
+                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, CONSUMERS, PINGPONG, 0)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, O, LSE, stride_ob, stride_oh, stride_om,
+                                  stride_od, seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, sections,
+                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, CONSUMERS, PINGPONG, 1)),
+            (_softmax_warpgroup, (q_desc, k_smem, v_smem, ready, empty, O, LSE, stride_ob, stride_oh, stride_om,
+                                  stride_od, seq_q, seq_k, start_m, n_blocks, causal_offset, qk_scale, sections,
+                                  HEAD_DIM, BLOCK_N, STAGES, CAUSAL, CONSUMERS, PINGPONG, 2)),
             (_kv_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BLOCK_N, STAGES, False)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
