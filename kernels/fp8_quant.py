@@ -212,10 +212,24 @@ def _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_
                           SECOND_COPY: tl.constexpr, AMAX_TO: tl.constexpr):
     """``_quantize_tile`` for a whole tile rotated by halves (``_rotated_halves``): the same bytes and scale, the
     tile held and stored as its two column halves."""
-    HALF: tl.constexpr = BLOCK_D // 2
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
                            HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, CENTRE)
+    _store_quantized_halves(a, b, q_base, t_base, S, head, tile, n_tiles, stride_qn, stride_qd, stride_tn, stride_td,
+                            store_rows, BLOCK_D, BLOCK_N, ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
+
+
+@triton.jit
+def _store_quantized_halves(a, b, q_base, t_base, S, head, tile, n_tiles, stride_qn, stride_qd, stride_tn, stride_td,
+                            store_rows, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            ZERO_SCALE_IF_EMPTY: tl.constexpr, SECOND_COPY: tl.constexpr, AMAX_TO: tl.constexpr):
+    """The second part of ``_quantize_tile_halves``: the rotated halves a, b (BLOCK_N, BLOCK_D // 2) of tile
+    ``tile`` (values of the input's dtype, in fp32 or in that dtype) quantised with one scale, stored, and the
+    scale stored."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    a = a.to(tl.float32)
+    b = b.to(tl.float32)
     amax = tl.maximum(tl.max(tl.max(tl.abs(a), 1), 0), tl.max(tl.max(tl.abs(b), 1), 0))
     scale = _tile_scale(amax, True, AMAX_TO)
     qa = _quantize_with_pow2_scale(a, scale)
@@ -227,6 +241,55 @@ def _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_
     if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
         scale = tl.where(amax > 0.0, scale, 0.0)
     tl.store(S + head * n_tiles + tile, scale)
+
+
+@triton.jit
+def _quantize_tiles_halves_overlapped(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, first, last,
+                                      n_tiles, stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq,
+                                      store_rows, norm, norm_lo, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      BLOCK_N: tl.constexpr, CENTRE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                      ZERO_SCALE_IF_EMPTY: tl.constexpr, SECOND_COPY: tl.constexpr,
+                                      AMAX_TO: tl.constexpr):
+    """``_quantize_tile_halves`` for tiles [first, last) (first < last), each tile's quantisation and stores one
+    step late: a step quantises and stores the tile before, then waits for its own tile's load and rotates it. The
+    compiler's pipeline (2 stages) issues the next tile's load at the end of a step, just before the next step
+    waits for it; with the stores first in the step, that load is in flight while they run. Rotating and storing
+    in the same step, the load and the rest of the step took turns (one program an SM at width 256: 208 KB of
+    shared memory). The rotated halves carried between steps are rounded to the input's dtype already (the same
+    bits). CENTRE: the rotated mean's halves are worked out again each step (``_rotated_mean_halves``) rather
+    than held: held, they took 64 registers a thread across the loop, and the centred kernel spilled 1,944 bytes
+    (sm_90 compile, ptxas -v; 36 this way)."""
+    OUT_DTYPE: tl.constexpr = X.dtype.element_ty
+    mean_lo, mean_hi = _rotated_mean_halves(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D, CENTRE)
+    rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
+    a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, CENTRE)
+    a = a.to(OUT_DTYPE)
+    b = b.to(OUT_DTYPE)
+    for tile in tl.range(first + 1, last):
+        _store_quantized_halves(a, b, q_base, t_base, S, head, tile - 1, n_tiles, stride_qn, stride_qd, stride_tn,
+                                stride_td, store_rows, BLOCK_D, BLOCK_N, ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
+        mean_lo, mean_hi = _rotated_mean_halves(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D,
+                                                CENTRE)
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_xn, stride_xd, norm,
+                               norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, CENTRE)
+        a = a.to(OUT_DTYPE)
+        b = b.to(OUT_DTYPE)
+    _store_quantized_halves(a, b, q_base, t_base, S, head, last - 1, n_tiles, stride_qn, stride_qd, stride_tn,
+                            stride_td, store_rows, BLOCK_D, BLOCK_N, ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
+
+
+@triton.jit
+def _rotated_mean_halves(MEAN, mean_base, signs, norm, norm_lo, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         CENTRE: tl.constexpr):
+    """``_rotated_mean``'s two halves (1, BLOCK_D // 2) each if CENTRE, else placeholders."""
+    mean_lo = 0.0
+    mean_hi = 0.0
+    if CENTRE:
+        mean_lo, mean_hi = _halves_of(_rotated_mean(MEAN, mean_base, signs, norm, norm_lo, HEAD_DIM, BLOCK_D),
+                                      BLOCK_D)
+    return mean_lo, mean_hi
 
 
 @triton.jit
@@ -330,11 +393,9 @@ def _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, he
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
                         norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
-        amax = tl.max(tl.max(tl.abs(x), 1), 0)
-        scale = _tile_scale(amax, True, AMAX_TO)
-        q = _quantize_with_pow2_scale(x, scale)
-        _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
-                      BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
+        _store_quantized_tile(x, q_base, t_base, S, head, tile, n_tiles, stride_qn, stride_qd, stride_tn, stride_td,
+                              store_rows, BLOCK_D, BLOCK_N, OUT_DIM, ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY,
+                              AMAX_TO)
     else:
         amax = _chunked_amax(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, tile, seq, stride_xn, stride_xd,
                              norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
@@ -346,9 +407,53 @@ def _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, he
             q = _quantize_with_pow2_scale(x, scale)
             _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
                           BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
+        if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
+            scale = tl.where(amax > 0.0, scale, 0.0)
+        tl.store(S + head * n_tiles + tile, scale)
+
+
+@triton.jit
+def _store_quantized_tile(x, q_base, t_base, S, head, tile, n_tiles, stride_qn, stride_qd, stride_tn, stride_td,
+                          store_rows, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DIM: tl.constexpr,
+                          ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, SECOND_COPY: tl.constexpr,
+                          AMAX_TO: tl.constexpr):
+    """The rows x (BLOCK_N, BLOCK_D) of tile ``tile`` (what ``_quant_rows`` gives, in fp32 or in the input's dtype)
+    quantised with one scale, stored, and the scale stored."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    scale = _tile_scale(amax, True, AMAX_TO)
+    q = _quantize_with_pow2_scale(x, scale)
+    _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, BLOCK_N, BLOCK_D,
+                  OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
     if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
         scale = tl.where(amax > 0.0, scale, 0.0)
     tl.store(S + head * n_tiles + tile, scale)
+
+
+@triton.jit
+def _quantize_tiles_overlapped(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, first, last, n_tiles,
+                               stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm,
+                               norm_lo, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                               CENTRE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                               ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
+                               SECOND_COPY: tl.constexpr, AMAX_TO: tl.constexpr):
+    """``_quantize_tile`` for whole rotated tiles [first, last) (first < last), each tile quantised and stored one
+    step late, as ``_quantize_tiles_halves_overlapped`` does for tiles rotated by halves."""
+    OUT_DTYPE: tl.constexpr = X.dtype.element_ty
+    rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
+    x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
+                    norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, True, METHOD, DOT_PRECISION).to(OUT_DTYPE)
+    for tile in tl.range(first + 1, last):
+        _store_quantized_tile(x, q_base, t_base, S, head, tile - 1, n_tiles, stride_qn, stride_qd, stride_tn,
+                              stride_td, store_rows, BLOCK_D, BLOCK_N, BLOCK_D, ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER,
+                              SECOND_COPY, AMAX_TO)
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd,
+                        norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, True, METHOD, DOT_PRECISION).to(OUT_DTYPE)
+    _store_quantized_tile(x, q_base, t_base, S, head, last - 1, n_tiles, stride_qn, stride_qd, stride_tn, stride_td,
+                          store_rows, BLOCK_D, BLOCK_N, BLOCK_D, ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY,
+                          AMAX_TO)
 
 
 @triton.jit
@@ -361,7 +466,7 @@ def fp8_quantize_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
     CENTRE: tl.constexpr, ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ZERO_SCALE_IF_EMPTY: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, SECOND_COPY: tl.constexpr,
-    AMAX_TO: tl.constexpr,
+    AMAX_TO: tl.constexpr, OVERLAP: tl.constexpr = False,
 ):
     """One program: TILES consecutive tiles of BLOCK_N rows of one (batch, head). Grid
     (cdiv(cdiv(seq, BLOCK_N), TILES), H, B).
@@ -377,7 +482,9 @@ def fp8_quantize_kernel(
     written (store_rows >= seq; rows past seq as zeros); MMA_KEY_ORDER: in the order of ``_in_mma_key_order``
     (CHUNK and store_rows multiples of 32). SECOND_COPY: the same e4m3 rows are also stored through QT's
     strides (stride_t*: another layout of Q's shape, such as the transposed one), without MMA_KEY_ORDER.
-    AMAX_TO: each tile's largest magnitude lands in (AMAX_TO / 2, AMAX_TO] (``_tile_scale``).
+    AMAX_TO: each tile's largest magnitude lands in (AMAX_TO / 2, AMAX_TO] (``_tile_scale``). OVERLAP (TILES > 1,
+    whole rotated tiles): each tile quantised and stored one step late, under the next tile's load
+    (``QUANT_OVERLAP``); the same bytes.
     """
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -407,6 +514,19 @@ def fp8_quantize_kernel(
                            stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm,
                            norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION,
                            ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
+    elif OVERLAP:  # each tile's stores one step late, under the next tile's load
+        first = tl.program_id(0) * TILES
+        last = tl.minimum(first + TILES, n_tiles)
+        if HALVES:
+            _quantize_tiles_halves_overlapped(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, first,
+                                              last, n_tiles, stride_xn, stride_xd, stride_qn, stride_qd, stride_tn,
+                                              stride_td, seq, store_rows, norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                              CENTRE, DOT_PRECISION, ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
+        else:
+            _quantize_tiles_overlapped(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, first, last,
+                                       n_tiles, stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq,
+                                       store_rows, norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, METHOD,
+                                       DOT_PRECISION, ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY, AMAX_TO)
     else:  # a loop, so that the compiler's pipelining loads the next tile while this one is rotated
         first = tl.program_id(0) * TILES
         for tile in tl.range(first, tl.minimum(first + TILES, n_tiles)):
@@ -471,6 +591,15 @@ ROTATE_TILES_PER_PROGRAM_LARGE = 8
 # Q in both layouts 73.6 -> 69.0, K 83.8 -> 80.5; the same bytes.
 HALVES_LAUNCH = dict(CHUNK=128, TILES=4, num_warps=8)
 HALVES_STAGES = {False: 2, True: 2}
+# Programs of several tiles store each tile one step late, under the next tile's load
+# (``_quantize_tiles_overlapped``, ``_quantize_tiles_halves_overlapped``): with 2 stages the compiler issues a
+# tile's load at the end of the step before and waits for it first thing, so the load and the step took turns
+# (sm_90 TTGIR). Measured on the H200 (benchmarks/NOTES.md, thirty-fifth session; GPU time by CUDA-graph replay,
+# bf16 (4, 8, 4096, 256) and (4, 16, 4096, 128), the same bytes): at 256 Q 50.7-51.0 -> 39.1-39.2 us, Q in both
+# layouts 66.7-66.8 -> 56.0, K centred in both layouts 75.6 -> 72.1-72.2; at 128 (to 16) Q 39.3-39.4 -> 34.2-34.3,
+# K centred 42.3 -> 41.2-41.4, Q in both layouts 56.6-57.0 -> 46.3, K 58.7 -> 52.0-52.1. Not for centred tiles in one
+# layout at 256 (the forward's K; ``quant_launch``): 53.3-53.6 -> 53.2, and the op's forward 0-10 us slower with it.
+QUANT_OVERLAP = True
 
 
 def rotate_method(dim: int) -> str:
@@ -494,7 +623,8 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
                  second_copy: bool = False) -> dict:
     """The quantisation kernel's METHOD, CHUNK and TILES and its num_warps and num_stages for tiles of (block_n,
     block_d) of ``element_size``-byte inputs: what ``fp8_quantize`` launches and scripts/compile_kernels.py compiles.
-    Several tiles a program only where whole tiles are rotated by a matmul; unrotated 16-bit (128, 256) tiles whole
+    Several tiles a program only where whole tiles are rotated by a matmul, stored one step late (OVERLAP,
+    ``QUANT_OVERLAP``) but for centred width-256 tiles in one layout; unrotated 16-bit (128, 256) tiles whole
     at 8 warps unless ``second_copy`` (the transposed copy too; WHOLE_TILE_WARPS); 4 warps and num_stages 3
     (Triton's defaults) elsewhere. The butterfly rotates 32-bit inputs at width 256 and 64-bit ones at every width:
     there the matrices and pipelined tiles would take 270-526 KB of shared memory (sm_90 compile, 128-row tiles),
@@ -506,7 +636,8 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
         chunk = min(block_n, HALVES_LAUNCH["CHUNK"])
         tiles = HALVES_LAUNCH["TILES"] if chunk == block_n else 1
         return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=HALVES_LAUNCH["num_warps"],
-                    num_stages=HALVES_STAGES[centre])
+                    num_stages=HALVES_STAGES[centre],
+                    OVERLAP=QUANT_OVERLAP and tiles > 1 and (second_copy or not centre))
     chunk = quant_chunk(block_n, block_d, rotate)
     if (not rotate and not second_copy and element_size <= 2 and chunk < block_n
             and block_n * block_d <= 2 * QUANT_CHUNK_ELEMENTS):
@@ -514,7 +645,7 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
         return dict(METHOD=method, CHUNK=block_n, TILES=1, num_warps=WHOLE_TILE_WARPS, num_stages=3)
     tiles = ROTATE_TILES_PER_PROGRAM if rotate and method == "matmul" and chunk == block_n else 1
     return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=4,
-                num_stages=ROTATE_STAGES if tiles > 1 else 3)
+                num_stages=ROTATE_STAGES if tiles > 1 else 3, OVERLAP=QUANT_OVERLAP and tiles > 1)
 
 
 def transposed_e4m3(batch: int, heads: int, rows: int, dim: int, device) -> torch.Tensor:

@@ -258,22 +258,29 @@ def test_rotation_fused_into_quantise(shape, block_n, dtype, centre, transposed,
 
 
 @pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("form", ["Q", "K", "K_both_layouts"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_step", "overlapped"])
 @pytest.mark.parametrize("tiles", [1, 8], ids=lambda t: f"{t}_tiles")
 @pytest.mark.parametrize("head_dim", [64, 256])
-def test_rotated_quantise_tiles_per_program(head_dim, tiles, device, monkeypatch):
+def test_rotated_quantise_tiles_per_program(head_dim, tiles, overlap, form, device, monkeypatch):
     """Rotating quantisations take several tiles a program (4, or 8 on large inputs, ``fp8_quantize``; the matmul
     method up to width 128, halves at 256): the bytes do not depend on how many, with a last program of fewer
-    tiles (13 a head here) and both layouts written."""
+    tiles (13 a head here; 1 of 4 by default), nor on whether a tile is stored in its own step or one step late
+    (``QUANT_OVERLAP``; not for centred tiles in one layout at 256, ``quant_launch``), for the forward's Q
+    (rotated) and K (centred too) and the FP8 backward's K in both layouts."""
     gen = torch.Generator().manual_seed(8)
     x = (torch.randn(1, 2, 200, head_dim, generator=gen) * 2 + torch.randn(head_dim, generator=gen)).to(device,
                                                                                                        torch.float16)
-    kwargs = dict(mean=_seq_mean(x), signs=random_signs(head_dim, seed=3, device=device), empty_tile_scale=0.0,
-                  with_transposed=True)
+    centre, both = form != "Q", form == "K_both_layouts"
+    kwargs = dict(mean=_seq_mean(x) if centre else None, signs=random_signs(head_dim, seed=3, device=device),
+                  empty_tile_scale=0.0 if both else 1.0, with_transposed=both)
     ref = fp8_quantize(x, 16, **kwargs)
     monkeypatch.setattr(fp8_quant, "ROTATE_TILES_PER_PROGRAM", tiles)
     monkeypatch.setitem(fp8_quant.HALVES_LAUNCH, "TILES", tiles)
-    launch = fp8_quant.quant_launch(16, head_dim, True, True)
+    monkeypatch.setattr(fp8_quant, "QUANT_OVERLAP", overlap)
+    launch = fp8_quant.quant_launch(16, head_dim, True, centre, second_copy=both)
     assert launch["METHOD"] == ("halves" if head_dim == 256 else "matmul") and launch["TILES"] == tiles
+    assert launch["OVERLAP"] == (overlap and tiles > 1 and not (head_dim == 256 and form == "K"))
     out = fp8_quantize(x, 16, **kwargs)
     for a, b in zip(out, ref):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
