@@ -599,6 +599,8 @@ HALVES_STAGES = {False: 2, True: 2}
 # layouts 66.7-66.8 -> 56.0, K centred in both layouts 75.6 -> 72.1-72.2; at 128 (to 16) Q 39.3-39.4 -> 34.2-34.3,
 # K centred 42.3 -> 41.2-41.4, Q in both layouts 56.6-57.0 -> 46.3, K 58.7 -> 52.0-52.1. Not for centred tiles in one
 # layout at 256 (the forward's K; ``quant_launch``): 53.3-53.6 -> 53.2, and the op's forward 0-10 us slower with it.
+# Nor for 32-bit inputs (not measured): the carried tile takes twice the registers, and at 128 the kernel spills
+# 404 bytes with it, none without (sm_90 compile, ptxas -v).
 QUANT_OVERLAP = True
 
 
@@ -623,8 +625,8 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
                  second_copy: bool = False) -> dict:
     """The quantisation kernel's METHOD, CHUNK and TILES and its num_warps and num_stages for tiles of (block_n,
     block_d) of ``element_size``-byte inputs: what ``fp8_quantize`` launches and scripts/compile_kernels.py compiles.
-    Several tiles a program only where whole tiles are rotated by a matmul, stored one step late (OVERLAP,
-    ``QUANT_OVERLAP``) but for centred width-256 tiles in one layout; unrotated 16-bit (128, 256) tiles whole
+    Several tiles a program only where whole tiles are rotated by a matmul, 16-bit ones stored one step late
+    (OVERLAP, ``QUANT_OVERLAP``) but for centred width-256 tiles in one layout; unrotated 16-bit (128, 256) tiles whole
     at 8 warps unless ``second_copy`` (the transposed copy too; WHOLE_TILE_WARPS); 4 warps and num_stages 3
     (Triton's defaults) elsewhere. The butterfly rotates 32-bit inputs at width 256 and 64-bit ones at every width:
     there the matrices and pipelined tiles would take 270-526 KB of shared memory (sm_90 compile, 128-row tiles),
@@ -645,7 +647,8 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
         return dict(METHOD=method, CHUNK=block_n, TILES=1, num_warps=WHOLE_TILE_WARPS, num_stages=3)
     tiles = ROTATE_TILES_PER_PROGRAM if rotate and method == "matmul" and chunk == block_n else 1
     return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=4,
-                num_stages=ROTATE_STAGES if tiles > 1 else 3, OVERLAP=QUANT_OVERLAP and tiles > 1)
+                num_stages=ROTATE_STAGES if tiles > 1 else 3,
+                OVERLAP=QUANT_OVERLAP and tiles > 1 and element_size <= 2)
 
 
 def transposed_e4m3(batch: int, heads: int, rows: int, dim: int, device) -> torch.Tensor:

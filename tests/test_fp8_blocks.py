@@ -281,6 +281,7 @@ def test_rotated_quantise_tiles_per_program(head_dim, tiles, overlap, form, devi
     launch = fp8_quant.quant_launch(16, head_dim, True, centre, second_copy=both)
     assert launch["METHOD"] == ("halves" if head_dim == 256 else "matmul") and launch["TILES"] == tiles
     assert launch["OVERLAP"] == (overlap and tiles > 1 and not (head_dim == 256 and form == "K"))
+    assert not fp8_quant.quant_launch(16, head_dim, True, centre, 4, both).get("OVERLAP")  # 32-bit inputs: in step
     out = fp8_quantize(x, 16, **kwargs)
     for a, b in zip(out, ref):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
