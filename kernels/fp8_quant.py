@@ -238,7 +238,14 @@ def _store_quantized_halves(a, b, q_base, t_base, S, head, tile, n_tiles, stride
                   HALF, False, SECOND_COPY)
     _store_copies(q_base + HALF * stride_qd, t_base + HALF * stride_td, qb, rows, store_rows, stride_qn, stride_qd,
                   stride_tn, stride_td, BLOCK_N, HALF, HALF, False, SECOND_COPY)
-    if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
+    _store_scale(S, head, n_tiles, tile, scale, amax, ZERO_SCALE_IF_EMPTY)
+
+
+@triton.jit
+def _store_scale(S, head, n_tiles, tile, scale, amax, ZERO_SCALE_IF_EMPTY: tl.constexpr):
+    """Store tile ``tile``'s scale; with ZERO_SCALE_IF_EMPTY an all-zero tile (amax 0, quantised with scale 1, to
+    zeros) reports scale 0."""
+    if ZERO_SCALE_IF_EMPTY:
         scale = tl.where(amax > 0.0, scale, 0.0)
     tl.store(S + head * n_tiles + tile, scale)
 
@@ -407,9 +414,7 @@ def _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, he
             q = _quantize_with_pow2_scale(x, scale)
             _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
                           BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
-        if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
-            scale = tl.where(amax > 0.0, scale, 0.0)
-        tl.store(S + head * n_tiles + tile, scale)
+        _store_scale(S, head, n_tiles, tile, scale, amax, ZERO_SCALE_IF_EMPTY)
 
 
 @triton.jit
@@ -426,9 +431,7 @@ def _store_quantized_tile(x, q_base, t_base, S, head, tile, n_tiles, stride_qn, 
     q = _quantize_with_pow2_scale(x, scale)
     _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, BLOCK_N, BLOCK_D,
                   OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
-    if ZERO_SCALE_IF_EMPTY:  # an all-zero tile (quantised with scale 1 above, to zeros) reports scale 0
-        scale = tl.where(amax > 0.0, scale, 0.0)
-    tl.store(S + head * n_tiles + tile, scale)
+    _store_scale(S, head, n_tiles, tile, scale, amax, ZERO_SCALE_IF_EMPTY)
 
 
 @triton.jit
@@ -501,7 +504,7 @@ def fp8_quantize_kernel(
     mean_hi = 0.0
     if ROTATE and CENTRE:  # K smoothing after the rotation: the rotated mean, once a program
         centring = _rotated_mean(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D)
-        if HALVES:
+        if HALVES and not (OVERLAP and TILES > 1):  # the overlapped loop works them out each step
             mean_lo, mean_hi = _halves_of(centring, BLOCK_D)
     if TILES == 1:
         if HALVES:
