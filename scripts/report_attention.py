@@ -189,7 +189,9 @@ def plot(df, path):
     ax.grid(alpha=0.3)
     axes[1, 4].axis("off")
     first = df.iloc[0]
-    fig.suptitle(f"bf16 attention on {first.gpu}, torch {first.torch}, triton {first.triton}, {first.date} "
+    dates = sorted(set(pd.concat([main["date"], mem["date"]]).astype(str)))  # the files merged may span days
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    fig.suptitle(f"bf16 attention on {first.gpu}, torch {first.torch}, triton {first.triton}, {when} "
                  "(batch x seq = 16k tokens, heads x head_dim = 2048)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
