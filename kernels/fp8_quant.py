@@ -502,9 +502,11 @@ def fp8_quantize_kernel(
     centring = MEAN
     mean_lo = 0.0
     mean_hi = 0.0
-    if ROTATE and CENTRE:  # K smoothing after the rotation: the rotated mean, once a program
+    # K smoothing after the rotation: the rotated mean, once a program; the overlapped loop by halves works its
+    # halves out each step from MEAN (``_rotated_mean_halves``)
+    if ROTATE and CENTRE and not (HALVES and OVERLAP and TILES > 1):
         centring = _rotated_mean(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D)
-        if HALVES and not (OVERLAP and TILES > 1):  # the overlapped loop works them out each step
+        if HALVES:
             mean_lo, mean_hi = _halves_of(centring, BLOCK_D)
     if TILES == 1:
         if HALVES:
