@@ -143,7 +143,7 @@ def _dkdv_query_range(start_n, seq_q, causal_offset, CAUSAL: tl.constexpr, BLOCK
     return lo, mid, end
 
 
-@triton.jit(do_not_specialize=["seed", "sections"])
+@triton.jit(do_not_specialize=["seed", "sections", "WAVE_BUCKET"])
 def attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, KB,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -155,7 +155,7 @@ def attention_bwd_dkdv_kernel(
     stride_kbb,
     seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
     seed, dropout_p, keep_scale, keep_scale_lo, sections,
-    SEQ_BUCKET,  # autotune key only
+    SEQ_BUCKET, WAVE_BUCKET,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     EVEN_M: tl.constexpr,  # seq_q % BLOCK_M == 0 (the launcher tests seq_q % configs.EVEN_M_MULTIPLE)
@@ -246,7 +246,7 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, str
     return dq
 
 
-@triton.jit(do_not_specialize=["seed", "sections"])
+@triton.jit(do_not_specialize=["seed", "sections", "WAVE_BUCKET"])
 def attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, KB,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -257,7 +257,7 @@ def attention_bwd_dq_kernel(
     stride_kbb,
     seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
     seed, dropout_p, keep_scale, keep_scale_lo, sections,
-    SEQ_BUCKET,  # autotune key only
+    SEQ_BUCKET, WAVE_BUCKET,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -371,15 +371,18 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     dq_sections = configs.causal_sections(causal, batch * heads_q,
                                           configs.cdiv(seq_q, configs.largest_tile("dq", head_dim)), group, seq_k,
                                           row_bytes, q.device)
+    # the tuner's grid-size keys (``configs.wave_bucket``): dK/dV has a program per key block, dQ per query block
+    dkdv_waves = configs.wave_bucket(batch * heads_kv * configs.cdiv(seq_k, 128), q.device)
+    dq_waves = configs.wave_bucket(batch * heads_q * configs.cdiv(seq_q, 128), q.device)
     configs.launch("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
                    lambda m: (configs.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
                    (q, k, v, do, lse, delta, dk, dv, kb, *common, *dk.stride(), *dv.stride(), stride_kbb,
-                    *scalars, dkdv_sections, configs.seq_bucket(seq_q)), q.dtype, max(seq_q, seq_k), **meta,
+                    *scalars, dkdv_sections, configs.seq_bucket(seq_q), dkdv_waves), q.dtype, max(seq_q, seq_k), **meta,
                    EVEN_M=seq_q % configs.EVEN_M_MULTIPLE == 0)
     configs.launch("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
                    lambda m: (configs.cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
                    (q, k, v, do, lse, delta, dq, kb, *common, *dq.stride(), stride_kbb,
-                    *scalars, dq_sections, configs.seq_bucket(seq_k)), q.dtype, max(seq_q, seq_k), **meta)
+                    *scalars, dq_sections, configs.seq_bucket(seq_k), dq_waves), q.dtype, max(seq_q, seq_k), **meta)
     return dq, dk, dv
 
 

@@ -211,7 +211,7 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, s
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seed", "sections"])
+@triton.jit(do_not_specialize=["seed", "sections", "WAVE_BUCKET"])
 def attention_fwd_kernel(
     Q, K, V, O, LSE, KB,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -221,7 +221,7 @@ def attention_fwd_kernel(
     stride_kbb,
     seq_q, seq_k, qk_scale, qk_scale_lo,
     seed, dropout_p, keep_scale, keep_scale_lo, sections,
-    SEQ_BUCKET,  # autotune key only
+    SEQ_BUCKET, WAVE_BUCKET,  # autotune keys only
     GROUP: tl.constexpr,  # query heads per KV head (GQA); 1 for plain multi-head attention
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
@@ -330,7 +330,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
             configs.causal_sections(causal, batch * heads_q,
                                     configs.cdiv(seq_q, configs.largest_tile("fwd", head_dim)),
                                     heads_q // heads_kv, seq_k, 2 * head_dim * k.element_size(), q.device),
-            configs.seq_bucket(seq_k))
+            configs.seq_bucket(seq_k), configs.wave_bucket(batch * heads_q * configs.cdiv(seq_q, 128), q.device))
     configs.launch("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, q.dtype, max(seq_q, seq_k),
                    GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
                    CAUSAL=causal, PRECISION=precision_for(q.dtype),

@@ -9,7 +9,7 @@ Three regimes:
 * float64 on the GPU: one small fixed tile (fp64 tiles are 4x the bytes of bf16 ones; fp64 exists for
   gradcheck and exactness checks, not speed).
 * float16 / bfloat16 / float32 on the GPU: a short list of candidates per kernel, picked by
-  ``triton.autotune`` once per (head_dim, causal, dtypes, sequence-length bucket).
+  ``triton.autotune`` once per (head_dim, causal, dtypes, sequence-length bucket, grid size in waves).
 """
 
 from __future__ import annotations
@@ -62,6 +62,18 @@ def row_pass_rows(seq: int, block_d: int) -> int:
 def seq_bucket(seq_len: int) -> int:
     """Autotune key for a sequence length: its power-of-two bucket, capped so long sequences share one."""
     return min(next_power_of_2(max(seq_len, 1)), 16384)
+
+
+def wave_bucket(programs: int, device: torch.device) -> int:
+    """Autotune key for a launch's size: its ``programs`` (counted at 128 rows a program, whatever tile is picked)
+    in waves over the device's SMs, rounded up to a power of two and capped at 8 (1 for CPU tensors). The fastest
+    tile differs between a grid that leaves SMs idle and one that fills the GPU many times over, and Triton's disk
+    cache of picks is shared by every process. Keyed by the sequence bucket alone, a bf16 (1, 2, 4096, 256)
+    causal launch tuned first handed its picks to a later process's (4, 8, 4096, 256): its forward and backward
+    ran 20% slower than with its own picks (benchmarks/NOTES.md, thirty-ninth session)."""
+    if device.type != "cuda":
+        return 1
+    return min(next_power_of_2(cdiv(programs, sm_count(device))), 8)
 
 
 def launch_device(t: torch.Tensor):
@@ -443,7 +455,7 @@ def hopper_backward_mode() -> str:
 EVEN_M_MULTIPLE = 128
 
 # the autotuner adds the tensors' dtypes; the key-bias / dropout variants are tuned apart (more registers)
-TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "PRECISION", "HAS_KEY_BIAS", "DROPOUT"]
+TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "WAVE_BUCKET", "PRECISION", "HAS_KEY_BIAS", "DROPOUT"]
 
 
 def _time_candidate(kernel_call, quantiles):
@@ -495,13 +507,13 @@ def is_forced(name: str) -> bool:
 # on every call from a dict of all ~40 arguments and str() of each tensor's dtype, which was the largest single
 # item of the forward's host time on the GPU box (165 us per call; benchmarks/NOTES.md), and a short kernel
 # (N = 1k) waits for the host. The key here holds everything the autotuner's does (meta-parameters, the
-# sequence bucket, every tensor's dtype), so it never reuses a pick across the autotuner's keys.
+# sequence and wave buckets, every tensor's dtype), so it never reuses a pick across the autotuner's keys.
 _picks: dict[tuple, dict] = {}
 
 
 def write_tuning_picks(path: str) -> int:
     """Write what each autotuned launch key of this process ran with (picked here or read from Triton's disk
-    cache) to a CSV: kernel ('fwd', 'dkdv', 'dq'), key (sequence bucket, tensor dtypes, compile-time
+    cache) to a CSV: kernel ('fwd', 'dkdv', 'dq'), key (sequence and wave buckets, tensor dtypes, compile-time
     arguments), BLOCK_M, BLOCK_N, num_warps, num_stages. For the benchmarks' records; returns the row count."""
     fields = ["BLOCK_M", "BLOCK_N", "num_warps", "num_stages"]
     with open(path, "w", newline="") as f:
@@ -515,14 +527,14 @@ def write_tuning_picks(path: str) -> int:
 def launch(name: str, tuned, kernel, grid_fn, args, dtype: torch.dtype, seq_len: int, **meta):
     """Launch ``kernel`` ('fwd', 'dkdv' or 'dq') with a fixed config (interpreter, fp64, forced) or with the
     config ``tuned``, its autotuned wrapper, picks (the first launch of a key tunes, later ones reuse the pick).
-    ``args`` ends with the SEQ_BUCKET key; ``grid_fn`` maps the config's meta-parameters to a grid;
+    ``args`` ends with the SEQ_BUCKET and WAVE_BUCKET keys; ``grid_fn`` maps the config's meta-parameters to a grid;
     ``seq_len`` (the longer of seq_q, seq_k) picks the interpreter's tiles."""
     if name in _forced:
         cfg = _forced[name]
     elif INTERPRET or dtype == torch.float64:
         cfg = fixed_config(name, dtype == torch.float64, meta["BLOCK_D"], seq_len)
     else:
-        key = (name, args[-1], *(a.dtype for a in args if isinstance(a, torch.Tensor)), *meta.items())
+        key = (name, *args[-2:], *(a.dtype for a in args if isinstance(a, torch.Tensor)), *meta.items())
         cfg = _picks.get(key)
         if cfg is None:
             tuned[grid_fn](*args, **meta)

@@ -120,6 +120,17 @@ def test_every_tuning_candidate_is_exact(index, head_dim, causal, seq_q):
         assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
 
 
+def test_launches_of_other_sizes_are_tuned_apart(monkeypatch):
+    """One sequence bucket, two grid sizes (under one wave and eight waves of SMs): each kernel gets a pick per
+    size, so a small launch's pick (in this process or in Triton's disk cache) never decides a large one's."""
+    monkeypatch.setattr(configs, "_picks", {})
+    for batch, heads in ((1, 1), (16, 16)):
+        q, k, v = (randn(batch, heads, 1024, 256, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+        flash_attention(q, k, v, causal=True).sum().backward()
+    waves = {(key[0], key[2]) for key in configs._picks}
+    assert waves == {(name, bucket) for name in ("fwd", "dkdv", "dq") for bucket in (1, 8)}, configs._picks.keys()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16_key_padding_and_dropout(head_dim, causal):

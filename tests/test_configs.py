@@ -20,6 +20,16 @@ def test_write_tuning_picks(tmp_path, monkeypatch):
                          num_stages="3")]
 
 
+def test_wave_bucket(monkeypatch):
+    """The autotune key for a launch's size: waves of 128-row programs over the SMs, a power of two, at most 8;
+    CPU tensors (the interpreter's fixed tiles) all share one."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    got = [configs.wave_bucket(programs, cuda) for programs in (1, 132, 133, 264, 265, 528, 529, 1056, 1057, 10**6)]
+    assert got == [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+    assert configs.wave_bucket(10**6, torch.device("cpu")) == 1
+
+
 def test_every_dkdv_tile_divides_the_even_multiple():
     """EVEN_M (no row masks in the dK/dV kernel) is decided by seq_q % EVEN_M_MULTIPLE: every BLOCK_M the
     kernel may run with must divide it, or rows past seq_q would be read unmasked."""
