@@ -1,5 +1,7 @@
 """torch.compile(fullgraph=True) traces through flash_attention (no graph break) and matches eager."""
 
+import warnings
+
 import torch
 
 from flashtrain import flash_attention
@@ -72,7 +74,11 @@ def test_compile_fullgraph_fp8(device):
             return out.transpose(1, 2)
 
         eager = fp8_attention(*inputs)
-        compiled = torch.compile(fp8_attention, fullgraph=True)(*inputs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = torch.compile(fp8_attention, fullgraph=True)(*inputs)
+        # Dynamo warns where it traces through a functools.cache wrapper (the device's capability was one)
+        assert not [w for w in caught if "lru_cache" in str(w.message)], mode
         assert torch.equal(compiled, eager), mode
         for c, e in zip(torch.autograd.grad(compiled, inputs, dout), torch.autograd.grad(eager, inputs, dout)):
             assert torch.equal(c, e), mode
