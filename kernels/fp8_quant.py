@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import configs
 from .attention_fwd import _scale, split_scale
-from .hadamard import _fwht, check_mean, hadamard_matrix, padded_dim
+from .hadamard import _fwht, check_mean, hadamard, hadamard_matrix, padded_dim
 from .launch import launch_kernel
 
 E4M3_MAX = 448.0
@@ -135,14 +135,14 @@ def _prepared_rows(X, MEAN, x_base, mean_base, rows, seq, stride_xn, stride_xd,
 
 
 @triton.jit
-def _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, mean_rot, row_ok, R: tl.constexpr, BLOCK_D: tl.constexpr,
+def _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, mean_rot, row0, seq, R: tl.constexpr, BLOCK_D: tl.constexpr,
                   METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr, CENTRE: tl.constexpr):
     """The rotated rows (x * signs) @ H_d' / sqrt(d') of x (R, BLOCK_D) in the input's dtype, fp32 holding values of
     that dtype (rounded to it as ``hadamard`` writes them). CENTRE (K smoothing): minus ``mean_rot`` (1, BLOCK_D), the
-    rotated mean (``_rotated_mean``), before that one rounding, and rows not ``row_ok`` (R,) zero: x enters the
-    matmul as loaded, which lets the compiler copy its tiles to shared memory asynchronously (as for Q) where a
-    centring before the rotation held them in registers. How the +-1 matrix is applied (METHOD,
-    ``rotate_method``):
+    rotated mean (``_rotated_mean``), before that one rounding, and the rows past ``seq`` (x's rows are those from
+    ``row0``) zero: x enters the matmul as loaded, which lets the compiler copy its tiles to shared memory
+    asynchronously (as for Q) where a centring before the rotation held them in registers. How the +-1 matrix is
+    applied (METHOD, ``rotate_method``):
       "butterfly": ``hadamard``'s log2(d') add/subtract stages on x * signs (fp32);
       "matmul":    one matmul with h_lo = diag(signs) H_d' (``_rotation_operands``; 16 <= d' <= 128);
       "halves":    H_d' = [[H, H], [H, -H]] with H = H_{d'/2}: the row's halves x1, x2 times h_lo = diag(signs_1) H
@@ -166,22 +166,25 @@ def _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, mean_rot, row_ok, R: tl.c
         y = tl.dot(x, h_lo, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
     y = _scale(y, norm, norm_lo)
     if CENTRE:
-        y = tl.where(row_ok[:, None], y - mean_rot, 0.0)
+        y = y - mean_rot
+        if row0 + R > seq:  # the rows past seq (a last tile's) zero again, at one select an element
+            y = tl.where((row0 + tl.arange(0, R) < seq)[:, None], y, 0.0)
     return y.to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
-def _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+def _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, tile, seq, stride_xn, stride_xd, norm, norm_lo,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     CENTRE: tl.constexpr):
-    """``_rotated_rows``'s "halves" for rows ``rows`` of X, loaded and returned as two halves: (a, b), the first and
-    the second BLOCK_D // 2 columns of the rotated rows, each (R, BLOCK_D // 2) fp32 holding values of X's dtype,
-    with the same bits. Each half of x is its own load and enters its matmul from shared memory as loaded, as the
-    whole tile does at width 128; loaded as one (R, BLOCK_D) tile, x went through registers to be split, and the
+    """``_rotated_rows``'s "halves" for tile ``tile`` (R rows) of X, loaded and returned as two halves: (a, b), the
+    first and the second BLOCK_D // 2 columns of the rotated rows, each (R, BLOCK_D // 2) fp32 holding values of X's
+    dtype, with the same bits. Each half of x is its own load and enters its matmul from shared memory as loaded, as
+    the whole tile does at width 128; loaded as one (R, BLOCK_D) tile, x went through registers to be split, and the
     joined result through a (R, BLOCK_D) layout conversion. ``mean_lo``, ``mean_hi`` (CENTRE): the rotated mean's
     halves (1, BLOCK_D // 2)."""
     HALF: tl.constexpr = BLOCK_D // 2
     OUT_DTYPE: tl.constexpr = X.dtype.element_ty
+    rows = tile * R + tl.arange(0, R)
     row_ok = rows[:, None] < seq
     x1 = _prepared_rows(X, X, x_base, 0, rows, seq, stride_xn, stride_xd, HALF, HALF, False)
     # HEAD_DIM > HALF: "halves" rotates widths above 128 only (``rotate_method``)
@@ -193,27 +196,24 @@ def _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_x
     a = _scale(y1 + y2, norm, norm_lo)
     b = _scale(y1 - y2, norm, norm_lo)
     if CENTRE:
-        a = tl.where(row_ok, a - mean_lo, 0.0)
-        b = tl.where(row_ok, b - mean_hi, 0.0)
+        a = a - mean_lo
+        b = b - mean_hi
+        if (tile + 1) * R > seq:  # the rows past seq (the last tile's) zero again, at one select an element
+            a = tl.where(row_ok, a, 0.0)
+            b = tl.where(row_ok, b, 0.0)
     return a.to(OUT_DTYPE).to(tl.float32), b.to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
-def _halves_of(x, BLOCK_D: tl.constexpr):
-    """(1, BLOCK_D) -> its first and second halves, (1, BLOCK_D // 2) each."""
-    return tl.split(tl.permute(tl.reshape(x, (1, 2, BLOCK_D // 2)), (0, 2, 1)))
-
-
-@triton.jit
-def _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn,
+def _quantize_tile_halves(X, MEAN, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles, stride_xn,
                           stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq, store_rows, norm, norm_lo,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, ZERO_SCALE_IF_EMPTY: tl.constexpr,
                           SECOND_COPY: tl.constexpr, AMAX_TO: tl.constexpr):
     """``_quantize_tile`` for a whole tile rotated by halves (``_rotated_halves``): the same bytes and scale, the
-    tile held and stored as its two column halves."""
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+    tile held and stored as its two column halves. CENTRE: MEAN holds the rotated mean (``_mean_halves``)."""
+    mean_lo, mean_hi = _mean_halves(MEAN, head * BLOCK_D, BLOCK_D, CENTRE)
+    a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, tile, seq, stride_xn, stride_xd, norm, norm_lo,
                            HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, CENTRE)
     _store_quantized_halves(a, b, q_base, t_base, S, head, tile, n_tiles, stride_qn, stride_qd, stride_tn, stride_td,
                             store_rows, BLOCK_D, BLOCK_N, ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
@@ -251,7 +251,7 @@ def _store_scale(S, head, n_tiles, tile, scale, amax, ZERO_SCALE_IF_EMPTY: tl.co
 
 
 @triton.jit
-def _quantize_tiles_halves_overlapped(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, first, last,
+def _quantize_tiles_halves_overlapped(X, MEAN, h_lo, h_hi, q_base, t_base, S, x_base, head, first, last,
                                       n_tiles, stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq,
                                       store_rows, norm, norm_lo, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                       BLOCK_N: tl.constexpr, CENTRE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -263,23 +263,21 @@ def _quantize_tiles_halves_overlapped(X, MEAN, signs, h_lo, h_hi, q_base, t_base
     waits for it; with the stores first in the step, that load is in flight while they run. Rotating and storing
     in the same step, the load and the rest of the step took turns (one program an SM at width 256: 208 KB of
     shared memory). The rotated halves carried between steps are rounded to the input's dtype already (the same
-    bits). CENTRE: the rotated mean's halves are worked out again each step (``_rotated_mean_halves``) rather
-    than held: held, they took 64 registers a thread across the loop, and the centred kernel spilled 1,944 bytes
-    (sm_90 compile, ptxas -v; 36 this way)."""
+    bits). CENTRE: MEAN holds the rotated mean, whose halves are loaded again each step (``_mean_halves``: 1 KB,
+    from L1 after the first step) rather than held: held, they took 64 registers a thread across the loop, and the
+    centred kernel spilled 1,944 bytes (sm_90 compile, ptxas -v). Until the thirty-ninth session the kernel rotated
+    the mean itself, every step, and the loop did not pay for centred tiles in one layout (``quant_launch``)."""
     OUT_DTYPE: tl.constexpr = X.dtype.element_ty
-    mean_lo, mean_hi = _rotated_mean_halves(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D, CENTRE)
-    rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
-    a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+    mean_lo, mean_hi = _mean_halves(MEAN, head * BLOCK_D, BLOCK_D, CENTRE)
+    a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, first, seq, stride_xn, stride_xd, norm, norm_lo,
                            HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, CENTRE)
     a = a.to(OUT_DTYPE)
     b = b.to(OUT_DTYPE)
     for tile in tl.range(first + 1, last):
         _store_quantized_halves(a, b, q_base, t_base, S, head, tile - 1, n_tiles, stride_qn, stride_qd, stride_tn,
                                 stride_td, store_rows, BLOCK_D, BLOCK_N, ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
-        mean_lo, mean_hi = _rotated_mean_halves(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D,
-                                                CENTRE)
-        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, rows, seq, stride_xn, stride_xd, norm,
+        mean_lo, mean_hi = _mean_halves(MEAN, head * BLOCK_D, BLOCK_D, CENTRE)
+        a, b = _rotated_halves(X, mean_lo, mean_hi, h_lo, h_hi, x_base, tile, seq, stride_xn, stride_xd, norm,
                                norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, CENTRE)
         a = a.to(OUT_DTYPE)
         b = b.to(OUT_DTYPE)
@@ -288,14 +286,16 @@ def _quantize_tiles_halves_overlapped(X, MEAN, signs, h_lo, h_hi, q_base, t_base
 
 
 @triton.jit
-def _rotated_mean_halves(MEAN, mean_base, signs, norm, norm_lo, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         CENTRE: tl.constexpr):
-    """``_rotated_mean``'s two halves (1, BLOCK_D // 2) each if CENTRE, else placeholders."""
+def _mean_halves(MEAN, mean_base, BLOCK_D: tl.constexpr, CENTRE: tl.constexpr):
+    """If CENTRE, the two halves (1, BLOCK_D // 2) each of the rotated mean MEAN[mean_base:][:BLOCK_D] (fp32, as
+    ``fp8_quantize`` passes it to the rotation by halves: ``hadamard(mean, signs)``, the bits of ``_rotated_mean``),
+    else placeholders."""
     mean_lo = 0.0
     mean_hi = 0.0
     if CENTRE:
-        mean_lo, mean_hi = _halves_of(_rotated_mean(MEAN, mean_base, signs, norm, norm_lo, HEAD_DIM, BLOCK_D),
-                                      BLOCK_D)
+        half = tl.arange(0, BLOCK_D // 2)
+        mean_lo = tl.load(MEAN + mean_base + half)[None, :]
+        mean_hi = tl.load(MEAN + mean_base + BLOCK_D // 2 + half)[None, :]
     return mean_lo, mean_hi
 
 
@@ -333,15 +333,16 @@ def _rotation_operands(SIGNS, H, ROTATE: tl.constexpr, METHOD: tl.constexpr, BLO
 
 
 @triton.jit
-def _quant_rows(X, centring, signs, h_lo, h_hi, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm, norm_lo,
+def _quant_rows(X, centring, signs, h_lo, h_hi, x_base, mean_base, row0, seq, stride_xn, stride_xd, norm, norm_lo,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, CENTRE: tl.constexpr,
                 ROTATE: tl.constexpr, METHOD: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """(CHUNK, BLOCK_D) fp32: what gets quantised of rows ``rows``: ``_prepared_rows``, or if ROTATE the rows rotated
-    (``_rotated_rows``). ``centring`` (with CENTRE): the MEAN pointer without ROTATE, the rotated mean (1, BLOCK_D)
-    with it."""
+    """(CHUNK, BLOCK_D) fp32: what gets quantised of the CHUNK rows from ``row0``: ``_prepared_rows``, or if ROTATE
+    the rows rotated (``_rotated_rows``). ``centring`` (with CENTRE): the MEAN pointer without ROTATE, the rotated
+    mean (1, BLOCK_D) with it."""
+    rows = row0 + tl.arange(0, CHUNK)
     if ROTATE:
         x = _prepared_rows(X, X, x_base, mean_base, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D, False)
-        y = _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, centring, rows < seq, CHUNK, BLOCK_D, METHOD,
+        y = _rotated_rows(x, signs, h_lo, h_hi, norm, norm_lo, centring, row0, seq, CHUNK, BLOCK_D, METHOD,
                           DOT_PRECISION, CENTRE)
     else:  # (an if/else: the compiler reads past a return in a constexpr branch)
         y = _prepared_rows(X, centring, x_base, mean_base, rows, seq, stride_xn, stride_xd, HEAD_DIM, BLOCK_D,
@@ -357,9 +358,8 @@ def _chunked_amax(X, centring, signs, h_lo, h_hi, x_base, mean_base, tile, seq, 
     read CHUNK rows at a time: the first of the two reads of a tile too large for the registers."""
     amax = 0.0
     for c in tl.static_range(0, BLOCK_N, CHUNK):
-        rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
-        x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, mean_base, rows, seq, stride_xn, stride_xd, norm,
-                        norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
+        x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, mean_base, tile * BLOCK_N + c, seq, stride_xn,
+                        stride_xd, norm, norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
     return amax
 
@@ -397,9 +397,8 @@ def _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, he
     ``centring`` as ``_quant_rows``'."""
     OUT_DIM: tl.constexpr = BLOCK_D if ROTATE else HEAD_DIM
     if CHUNK == BLOCK_N:  # the whole tile in registers: one read
-        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
-                        norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
+        x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, tile * BLOCK_N, seq, stride_xn,
+                        stride_xd, norm, norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
         _store_quantized_tile(x, q_base, t_base, S, head, tile, n_tiles, stride_qn, stride_qd, stride_tn, stride_td,
                               store_rows, BLOCK_D, BLOCK_N, OUT_DIM, ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY,
                               AMAX_TO)
@@ -409,8 +408,9 @@ def _quantize_tile(X, centring, signs, h_lo, h_hi, q_base, t_base, S, x_base, he
         scale = _tile_scale(amax, True, AMAX_TO)
         for c in tl.static_range(0, BLOCK_N, CHUNK):
             rows = tile * BLOCK_N + c + tl.arange(0, CHUNK)
-            x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd,
-                            norm, norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD, DOT_PRECISION)
+            x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, tile * BLOCK_N + c, seq,
+                            stride_xn, stride_xd, norm, norm_lo, HEAD_DIM, BLOCK_D, CHUNK, CENTRE, ROTATE, METHOD,
+                            DOT_PRECISION)
             q = _quantize_with_pow2_scale(x, scale)
             _store_copies(q_base, t_base, q, rows, store_rows, stride_qn, stride_qd, stride_tn, stride_td, CHUNK,
                           BLOCK_D, OUT_DIM, MMA_KEY_ORDER, SECOND_COPY)
@@ -444,16 +444,16 @@ def _quantize_tiles_overlapped(X, centring, signs, h_lo, h_hi, q_base, t_base, S
     """``_quantize_tile`` for whole rotated tiles [first, last) (first < last), each tile quantised and stored one
     step late, as ``_quantize_tiles_halves_overlapped`` does for tiles rotated by halves."""
     OUT_DTYPE: tl.constexpr = X.dtype.element_ty
-    rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
-    x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd, norm,
-                    norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, True, METHOD, DOT_PRECISION).to(OUT_DTYPE)
+    x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, first * BLOCK_N, seq, stride_xn,
+                    stride_xd, norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, True, METHOD,
+                    DOT_PRECISION).to(OUT_DTYPE)
     for tile in tl.range(first + 1, last):
         _store_quantized_tile(x, q_base, t_base, S, head, tile - 1, n_tiles, stride_qn, stride_qd, stride_tn,
                               stride_td, store_rows, BLOCK_D, BLOCK_N, BLOCK_D, ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER,
                               SECOND_COPY, AMAX_TO)
-        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, rows, seq, stride_xn, stride_xd,
-                        norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, True, METHOD, DOT_PRECISION).to(OUT_DTYPE)
+        x = _quant_rows(X, centring, signs, h_lo, h_hi, x_base, head * HEAD_DIM, tile * BLOCK_N, seq, stride_xn,
+                        stride_xd, norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, True, METHOD,
+                        DOT_PRECISION).to(OUT_DTYPE)
     _store_quantized_tile(x, q_base, t_base, S, head, last - 1, n_tiles, stride_qn, stride_qd, stride_tn, stride_td,
                           store_rows, BLOCK_D, BLOCK_N, BLOCK_D, ZERO_SCALE_IF_EMPTY, MMA_KEY_ORDER, SECOND_COPY,
                           AMAX_TO)
@@ -476,7 +476,8 @@ def fp8_quantize_kernel(
 
     X: (B, H, seq, HEAD_DIM), any strides and float dtype. Q: (B, H, seq, D_out) float8_e4m3fn with the given
     strides (a transposed layout is a view with stride_qn 1), D_out = BLOCK_D if ROTATE else HEAD_DIM.
-    S: (B, H, cdiv(seq, BLOCK_N)) float32, contiguous. CENTRE: subtract MEAN (B, H, HEAD_DIM) fp32 first.
+    S: (B, H, cdiv(seq, BLOCK_N)) float32, contiguous. CENTRE: subtract MEAN (B, H, HEAD_DIM) fp32 first (the
+    rotation by halves: MEAN (B, H, BLOCK_D) is the rotated mean, subtracted after the rotation).
     ROTATE: then the Hadamard rotation (``hadamard``'s forward: SIGNS (BLOCK_D,), (norm, norm_lo)
     1/sqrt(BLOCK_D) split), applied by METHOD with the +-1 matrix at H (``_rotated_rows``), both loaded once
     per program. A tile of more than CHUNK rows is read twice, chunk by chunk, once for its amax and once to
@@ -500,18 +501,18 @@ def fp8_quantize_kernel(
     # whole tiles rotated by halves go as two column halves (``_quantize_tile_halves``)
     HALVES: tl.constexpr = METHOD == "halves" and CHUNK == BLOCK_N
     centring = MEAN
-    mean_lo = 0.0
-    mean_hi = 0.0
-    # K smoothing after the rotation: the rotated mean, once a program; the overlapped loop by halves works its
-    # halves out each step from MEAN (``_rotated_mean_halves``)
-    if ROTATE and CENTRE and not (HALVES and OVERLAP and TILES > 1):
-        centring = _rotated_mean(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D)
-        if HALVES:
-            mean_lo, mean_hi = _halves_of(centring, BLOCK_D)
+    # K smoothing after the rotation: the rotated mean. The rotation by halves reads it from MEAN, rotated before
+    # the launch (``fp8_quantize``); whole tiles load its halves tile by tile (``_mean_halves``). The other
+    # methods rotate MEAN here, once a program.
+    if ROTATE and CENTRE and not HALVES:
+        if METHOD == "halves":
+            centring = tl.load(MEAN + head * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+        else:
+            centring = _rotated_mean(MEAN, head * HEAD_DIM, signs, norm, norm_lo, HEAD_DIM, BLOCK_D)
     if TILES == 1:
         if HALVES:
-            _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_base, head, tl.program_id(0),
-                                  n_tiles, stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq,
+            _quantize_tile_halves(X, MEAN, h_lo, h_hi, q_base, t_base, S, x_base, head, tl.program_id(0), n_tiles,
+                                  stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq,
                                   store_rows, norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, DOT_PRECISION,
                                   ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
         else:
@@ -523,7 +524,7 @@ def fp8_quantize_kernel(
         first = tl.program_id(0) * TILES
         last = tl.minimum(first + TILES, n_tiles)
         if HALVES:
-            _quantize_tiles_halves_overlapped(X, MEAN, signs, h_lo, h_hi, q_base, t_base, S, x_base, head, first,
+            _quantize_tiles_halves_overlapped(X, MEAN, h_lo, h_hi, q_base, t_base, S, x_base, head, first,
                                               last, n_tiles, stride_xn, stride_xd, stride_qn, stride_qd, stride_tn,
                                               stride_td, seq, store_rows, norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N,
                                               CENTRE, DOT_PRECISION, ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
@@ -536,7 +537,7 @@ def fp8_quantize_kernel(
         first = tl.program_id(0) * TILES
         for tile in tl.range(first, tl.minimum(first + TILES, n_tiles)):
             if HALVES:
-                _quantize_tile_halves(X, mean_lo, mean_hi, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles,
+                _quantize_tile_halves(X, MEAN, h_lo, h_hi, q_base, t_base, S, x_base, head, tile, n_tiles,
                                       stride_xn, stride_xd, stride_qn, stride_qd, stride_tn, stride_td, seq,
                                       store_rows, norm, norm_lo, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE, DOT_PRECISION,
                                       ZERO_SCALE_IF_EMPTY, SECOND_COPY, AMAX_TO)
@@ -602,11 +603,17 @@ HALVES_STAGES = {False: 2, True: 2}
 # (sm_90 TTGIR). Measured on the H200 (benchmarks/NOTES.md, thirty-fifth session; GPU time by CUDA-graph replay,
 # bf16 (4, 8, 4096, 256) and (4, 16, 4096, 128), the same bytes): at 256 Q 50.7-51.0 -> 39.1-39.2 us, Q in both
 # layouts 66.7-66.8 -> 56.0, K centred in both layouts 75.6 -> 72.1-72.2; at 128 (to 16) Q 39.3-39.4 -> 34.2-34.3,
-# K centred 42.3 -> 41.2-41.4, Q in both layouts 56.6-57.0 -> 46.3, K 58.7 -> 52.0-52.1. Not for centred tiles in one
-# layout at 256 (the forward's K; ``quant_launch``): 53.3-53.6 -> 53.2, and the op's forward 0-10 us slower with it.
-# Nor for 32-bit inputs (not measured): the carried tile takes twice the registers, and at 128 the kernel spills
-# 404 bytes with it, none without (sm_90 compile, ptxas -v).
+# K centred 42.3 -> 41.2-41.4, Q in both layouts 56.6-57.0 -> 46.3, K 58.7 -> 52.0-52.1. Not for 32-bit inputs (not
+# measured): the carried tile takes twice the registers, and at 128 the kernel spills 404 bytes with it, none
+# without (sm_90 compile, ptxas -v).
 QUANT_OVERLAP = True
+# Centred tiles in one layout at 256 (the forward's K): 53.3-53.6 -> 53.2 us with the loop above, and the op's
+# forward 0-10 us slower, while the loop rotated the mean again every step (thirty-fifth session). Since the mean
+# is rotated before the launch (``_mean_halves``) and the select that zeroes rows past the sequence runs in ragged
+# tiles only, measured on the H200 (benchmarks/NOTES.md, thirty-ninth session; GPU time by CUDA-graph replay, bf16,
+# the same bytes), the three changes together: K at (4, 8, 4096, 256) 53.7-53.9 -> 44.7-44.8 us, the FP8 forward
+# at 4k causal 489-490 -> 480-481 (both layouts, without this switch: 72.5 -> 60.5-60.6). Not measured apart.
+HALVES_OVERLAP_CENTRED = True
 
 
 def rotate_method(dim: int) -> str:
@@ -631,11 +638,11 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
     """The quantisation kernel's METHOD, CHUNK and TILES and its num_warps and num_stages for tiles of (block_n,
     block_d) of ``element_size``-byte inputs: what ``fp8_quantize`` launches and scripts/compile_kernels.py compiles.
     Several tiles a program only where whole tiles are rotated by a matmul, 16-bit ones stored one step late
-    (OVERLAP, ``QUANT_OVERLAP``) but for centred width-256 tiles in one layout; unrotated 16-bit (128, 256) tiles whole
-    at 8 warps unless ``second_copy`` (the transposed copy too; WHOLE_TILE_WARPS); 4 warps and num_stages 3
-    (Triton's defaults) elsewhere. The butterfly rotates 32-bit inputs at width 256 and 64-bit ones at every width:
-    there the matrices and pipelined tiles would take 270-526 KB of shared memory (sm_90 compile, 128-row tiles),
-    over the 227 KB of an SM (fp32 at width 128: 197 KB, centred)."""
+    (OVERLAP, ``QUANT_OVERLAP``; centred width-256 tiles in one layout with ``HALVES_OVERLAP_CENTRED``); unrotated
+    16-bit (128, 256) tiles whole at 8 warps unless ``second_copy`` (the transposed copy too; WHOLE_TILE_WARPS); 4
+    warps and num_stages 3 (Triton's defaults) elsewhere. The butterfly rotates 32-bit inputs at width 256 and 64-bit
+    ones at every width: there the matrices and pipelined tiles would take 270-526 KB of shared memory (sm_90
+    compile, 128-row tiles), over the 227 KB of an SM (fp32 at width 128: 197 KB, centred)."""
     method = rotate_method(block_d) if rotate else "butterfly"
     if method != "butterfly" and (element_size > 4 or (element_size > 2 and method == "halves")):
         method = "butterfly"
@@ -644,7 +651,7 @@ def quant_launch(block_n: int, block_d: int, rotate: bool, centre: bool, element
         tiles = HALVES_LAUNCH["TILES"] if chunk == block_n else 1
         return dict(METHOD=method, CHUNK=chunk, TILES=tiles, num_warps=HALVES_LAUNCH["num_warps"],
                     num_stages=HALVES_STAGES[centre],
-                    OVERLAP=QUANT_OVERLAP and tiles > 1 and (second_copy or not centre))
+                    OVERLAP=QUANT_OVERLAP and tiles > 1 and (second_copy or not centre or HALVES_OVERLAP_CENTRED))
     chunk = quant_chunk(block_n, block_d, rotate)
     if (not rotate and not second_copy and element_size <= 2 and chunk < block_n
             and block_n * block_d <= 2 * QUANT_CHUNK_ELEMENTS):
@@ -737,6 +744,10 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
         if launch["TILES"] > 1 and x.is_cuda and tiles >= 7 * configs.sm_count(x.device):
             launch["TILES"] = ROTATE_TILES_PER_PROGRAM_LARGE
         grid = (configs.cdiv(configs.cdiv(seq, block_n), launch["TILES"]), heads, batch)
+        if mean is not None and launch["METHOD"] == "halves":
+            # the rotation by halves subtracts the rotated mean as given: rotated here, once (the bits of the
+            # kernel's ``_rotated_mean``), where the kernel would redo it for every tile (``_mean_halves``)
+            mean = hadamard(mean, signs)
         launch_kernel(
             fp8_quantize_kernel, grid,
             x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,

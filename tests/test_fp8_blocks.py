@@ -266,8 +266,9 @@ def test_rotated_quantise_tiles_per_program(head_dim, tiles, overlap, form, devi
     """Rotating quantisations take several tiles a program (4, or 8 on large inputs, ``fp8_quantize``; the matmul
     method up to width 128, halves at 256): the bytes do not depend on how many, with a last program of fewer
     tiles (13 a head here; 1 of 4 by default), nor on whether a tile is stored in its own step or one step late
-    (``QUANT_OVERLAP``; not for centred tiles in one layout at 256, ``quant_launch``), for the forward's Q
-    (rotated) and K (centred too) and the FP8 backward's K in both layouts."""
+    (``QUANT_OVERLAP``, and ``HALVES_OVERLAP_CENTRED`` for centred tiles in one layout at 256), for the forward's Q
+    (rotated) and K (centred too; at 256 with the rotated mean given to the kernel, ``_mean_halves``) and the FP8
+    backward's K in both layouts."""
     gen = torch.Generator().manual_seed(8)
     x = (torch.randn(1, 2, 200, head_dim, generator=gen) * 2 + torch.randn(head_dim, generator=gen)).to(device,
                                                                                                        torch.float16)
@@ -278,9 +279,10 @@ def test_rotated_quantise_tiles_per_program(head_dim, tiles, overlap, form, devi
     monkeypatch.setattr(fp8_quant, "ROTATE_TILES_PER_PROGRAM", tiles)
     monkeypatch.setitem(fp8_quant.HALVES_LAUNCH, "TILES", tiles)
     monkeypatch.setattr(fp8_quant, "QUANT_OVERLAP", overlap)
+    monkeypatch.setattr(fp8_quant, "HALVES_OVERLAP_CENTRED", overlap)
     launch = fp8_quant.quant_launch(16, head_dim, True, centre, second_copy=both)
     assert launch["METHOD"] == ("halves" if head_dim == 256 else "matmul") and launch["TILES"] == tiles
-    assert launch["OVERLAP"] == (overlap and tiles > 1 and not (head_dim == 256 and form == "K"))
+    assert launch["OVERLAP"] == (overlap and tiles > 1)
     assert not fp8_quant.quant_launch(16, head_dim, True, centre, 4, both).get("OVERLAP")  # 32-bit inputs: in step
     out = fp8_quantize(x, 16, **kwargs)
     for a, b in zip(out, ref):
