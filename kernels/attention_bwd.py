@@ -372,8 +372,8 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
                                           configs.cdiv(seq_q, configs.largest_tile("dq", head_dim)), group, seq_k,
                                           row_bytes, q.device)
     # the tuner's grid-size keys (``configs.wave_bucket``): dK/dV has a program per key block, dQ per query block
-    dkdv_waves = configs.wave_bucket(batch * heads_kv * configs.cdiv(seq_k, 128), q.device)
-    dq_waves = configs.wave_bucket(batch * heads_q * configs.cdiv(seq_q, 128), q.device)
+    dkdv_waves = configs.wave_bucket(batch * heads_kv, seq_k, q.device)
+    dq_waves = configs.wave_bucket(batch * heads_q, seq_q, q.device)
     configs.launch("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
                    lambda m: (configs.cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
                    (q, k, v, do, lse, delta, dk, dv, kb, *common, *dk.stride(), *dv.stride(), stride_kbb,

@@ -330,7 +330,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
             configs.causal_sections(causal, batch * heads_q,
                                     configs.cdiv(seq_q, configs.largest_tile("fwd", head_dim)),
                                     heads_q // heads_kv, seq_k, 2 * head_dim * k.element_size(), q.device),
-            configs.seq_bucket(seq_k), configs.wave_bucket(batch * heads_q * configs.cdiv(seq_q, 128), q.device))
+            configs.seq_bucket(seq_k), configs.wave_bucket(batch * heads_q, seq_q, q.device))
     configs.launch("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, q.dtype, max(seq_q, seq_k),
                    GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
                    CAUSAL=causal, PRECISION=precision_for(q.dtype),

@@ -64,16 +64,21 @@ def seq_bucket(seq_len: int) -> int:
     return min(next_power_of_2(max(seq_len, 1)), 16384)
 
 
-def wave_bucket(programs: int, device: torch.device) -> int:
-    """Autotune key for a launch's size: its ``programs`` (counted at 128 rows a program, whatever tile is picked)
-    in waves over the device's SMs, rounded up to a power of two and capped at 8 (1 for CPU tensors). The fastest
-    tile differs between a grid that leaves SMs idle and one that fills the GPU many times over, and Triton's disk
-    cache of picks is shared by every process. Keyed by the sequence bucket alone, a bf16 (1, 2, 4096, 256)
-    causal launch tuned first handed its picks to a later process's (4, 8, 4096, 256): its forward and backward
-    ran 20% slower than with its own picks (benchmarks/NOTES.md, thirty-ninth session)."""
+# Rows a program, for ``wave_bucket``'s count of a launch's programs, whatever tile the tuner then picks
+WAVE_BUCKET_ROWS = 128
+
+
+def wave_bucket(pairs: int, rows: int, device: torch.device) -> int:
+    """Autotune key for a launch's size: its programs (``pairs`` (batch, head) pairs of ``rows`` rows each, at
+    WAVE_BUCKET_ROWS rows a program) in waves over the device's SMs, rounded up to a power of two and capped at 8
+    (1 for CPU tensors). The fastest tile differs between a grid that leaves SMs idle and one that fills the GPU
+    many times over, and Triton's disk cache of picks is shared by every process. Keyed by the sequence bucket
+    alone, a bf16 (1, 2, 4096, 256) causal launch tuned first handed its picks to a later process's (4, 8, 4096,
+    256): its forward and backward ran 20% slower than with its own picks (benchmarks/NOTES.md, thirty-ninth
+    session)."""
     if device.type != "cuda":
         return 1
-    return min(next_power_of_2(cdiv(programs, sm_count(device))), 8)
+    return min(next_power_of_2(cdiv(pairs * cdiv(rows, WAVE_BUCKET_ROWS), sm_count(device))), 8)
 
 
 def launch_device(t: torch.Tensor):

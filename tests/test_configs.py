@@ -25,9 +25,11 @@ def test_wave_bucket(monkeypatch):
     CPU tensors (the interpreter's fixed tiles) all share one."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
-    got = [configs.wave_bucket(programs, cuda) for programs in (1, 132, 133, 264, 265, 528, 529, 1056, 1057, 10**6)]
+    got = [configs.wave_bucket(programs, 128, cuda) for programs in (1, 132, 133, 264, 265, 528, 529, 1056, 1057,
+                                                                     10**6)]
     assert got == [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
-    assert configs.wave_bucket(10**6, torch.device("cpu")) == 1
+    assert configs.wave_bucket(132, 129, cuda) == 2  # 129 rows: two programs a pair
+    assert configs.wave_bucket(10**6, 128, torch.device("cpu")) == 1
 
 
 def test_every_dkdv_tile_divides_the_even_multiple():
