@@ -16,6 +16,7 @@ Writes long-format CSV rows (provider, dtype, D, N, B, H, H_kv, causal, mode, ms
 gpu, torch, triton, date) to --out. Needs a CUDA GPU.
 
     python scripts/bench_attention.py --out benchmarks/results/attention.csv
+    python scripts/bench_attention.py --fp8-table all --out FP8.csv --gpu-time-out FP8_GPU.csv  # the FP8 table
 """
 
 from __future__ import annotations
@@ -112,6 +113,34 @@ def bench_speed(provider, batch, heads, heads_kv, seq, head_dim, causal, dtype):
     return {"fwd": fwd, "bwd": bwd}
 
 
+def forward_gpu_us(provider, batch, heads, heads_kv, seq, head_dim, causal, dtype, calls=10, replays=20):
+    """GPU time of one forward call, us: the median over ``replays`` of a CUDA graph of ``calls`` forwards, divided
+    by ``calls``. A graph replays the kernels without the host, so where the op's host time (Python, launches)
+    exceeds its GPU time, this is what do_bench cannot see."""
+    q, k, v = (torch.randn(batch, h, seq, head_dim, device="cuda", dtype=dtype) for h in (heads, heads_kv, heads_kv))
+    fn = make_provider(provider, causal, seq, heads != heads_kv)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(3):  # compile, tune and allocate outside the capture
+            fn(q, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(q, k, v)
+    warm_up_gpu(0.3)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def bench_memory(provider, seq, batch=1, heads=16, head_dim=128, causal=True, dtype=torch.bfloat16):
     """Peak GiB allocated by forward + backward beyond the inputs (q, k, v, dout)."""
     torch.cuda.empty_cache()
@@ -197,6 +226,42 @@ def memory(meta, record, start):
                   flush=True)
 
 
+# the README's FP8 table: (B, H, H_kv, N, D, causal), timed for bf16, fp8="forward" and fp8="full"
+FP8_TABLE = [(1, 32, 32, 16384, 64, True), (4, 16, 16, 4096, 128, False), (4, 16, 16, 4096, 128, True),
+             (1, 16, 16, 16384, 128, False), (1, 16, 16, 16384, 128, True), (4, 8, 8, 4096, 256, False),
+             (4, 8, 8, 4096, 256, True), (1, 8, 8, 16384, 256, False)]
+FP8_TABLE_PROVIDERS = ["flashtrain", "flashtrain_fp8_fwd", "flashtrain_fp8"]
+GPU_TIME_FIELDS = ["provider", "D", "N", "B", "H", "H_kv", "causal", "fwd_gpu_us", "method", "gpu", "torch",
+                   "triton", "date"]
+
+
+def fp8_table(subset, meta, record, gpu_time_out, start):
+    """The README's FP8 table (``subset``: "all", "4k" or "256": the 256 rows at 4k causal and 16k), each point's
+    providers side by side; with ``gpu_time_out``, also each forward's GPU time, bf16 and fp8="forward"
+    (``forward_gpu_us``), as CSV rows for ``report_attention.py --gpu-time``."""
+    points = {"all": FP8_TABLE, "4k": [p for p in FP8_TABLE if p[3] == 4096],
+              "256": [p for p in FP8_TABLE if p[4] == 256 and (p[5] or p[3] != 4096)]}[subset]
+    out = writer = None
+    if gpu_time_out:
+        out = open(gpu_time_out, "w", newline="")
+        writer = csv.DictWriter(out, fieldnames=GPU_TIME_FIELDS)
+        writer.writeheader()
+    for point in points:
+        bench_point(point, FP8_TABLE_PROVIDERS, [], meta, record, start)
+        if writer is None:
+            continue
+        batch, heads, heads_kv, seq, head_dim, causal = point
+        for provider in FP8_TABLE_PROVIDERS[:2]:
+            us = forward_gpu_us(provider, batch, heads, heads_kv, seq, head_dim, causal, torch.bfloat16)
+            writer.writerow(dict(provider=provider, D=head_dim, N=seq, B=batch, H=heads, H_kv=heads_kv,
+                                 causal=causal, fwd_gpu_us=f"{us:.1f}", method="cuda_graph", **meta))
+            out.flush()
+            print(f"[{time.time() - start:6.0f}s] {provider:15s} D={head_dim:3d} N={seq:5d} H={heads}/{heads_kv} "
+                  f"causal={causal!s:5s} fwd GPU time {us:.1f} us", flush=True)
+    if out is not None:
+        out.close()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/attention.csv")
@@ -212,7 +277,13 @@ def main(argv=None):
     parser.add_argument("--skip-main-grid", action="store_true", help="only the memory and extra points")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--tuning-out", default=None, help="CSV of the autotuner's picks per key")
+    parser.add_argument("--fp8-table", choices=["all", "4k", "256"], default=None,
+                        help="time only the README's FP8 table (bf16, fp8 forward and full); '4k' / '256': a subset")
+    parser.add_argument("--gpu-time-out", default=None,
+                        help="with --fp8-table: a CSV of each forward's GPU time by CUDA-graph replay")
     args = parser.parse_args(argv)
+    if args.gpu_time_out and not args.fp8_table:
+        parser.error("--gpu-time-out goes with --fp8-table")
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     torch._dynamo.config.cache_size_limit = 256  # Flex recompiles per shape
@@ -235,11 +306,13 @@ def main(argv=None):
         for point in points:
             bench_point(point, args.providers, args.flex_seqs or args.seqs, meta, record, start)
 
-    if not args.skip_main_grid:
+    if args.fp8_table:
+        fp8_table(args.fp8_table, meta, record, args.gpu_time_out, start)
+    elif not args.skip_main_grid:
         speed(main_grid(args.seqs, args.head_dims))
-    if not args.skip_memory:
+    if not args.skip_memory and not args.fp8_table:
         memory(meta, record, start)
-    if not args.main_grid_only:
+    if not args.main_grid_only and not args.fp8_table:
         speed(extra_grid())
     out.close()
     print(f"wrote {len(rows)} rows to {args.out}")

@@ -14,7 +14,7 @@ is FP8 against flashtrain's bf16 path instead (between ``<!-- fp8-benchmark:star
     python scripts/report_attention.py benchmarks/results/attention_fp8_h200_2026-11-29.csv --fp8 --readme README.md
 
 ``--gpu-time CSV`` (with --fp8) adds each forward's GPU time, bf16 / FP8, from a CSV with the columns provider,
-D, N, B, H, causal, fwd_gpu_us (the sum of a call's kernels): where the FP8 op's host time exceeds it, do_bench
+D, N, B, H, causal, fwd_gpu_us (``bench_attention.py --gpu-time-out``; or the sum of a call's kernels): where the FP8 op's host time exceeds it, do_bench
 times the host, and this column shows what the GPU did.
 """
 
@@ -142,14 +142,15 @@ def fp8_table(df, gpu_time=None):
 
 
 def _gpu_times(gpu_time, key) -> str:
-    """'bf16 / FP8' forward GPU times (us) of one table row's shape, or '-' where the CSV lacks one."""
+    """'bf16 / FP8 (bf16 / FP8 x)' forward GPU times (us) of one table row's shape, or '-' where the CSV lacks one."""
     same = ((gpu_time["D"] == key.D) & (gpu_time["N"] == key.N) & (gpu_time["B"] == key.B)
             & (gpu_time["H"] == key.H) & (gpu_time["causal"] == key.causal))
     times = [gpu_time[same & (gpu_time["provider"] == provider)]["fwd_gpu_us"]
              for provider in ("flashtrain", "flashtrain_fp8_fwd")]
     if any(t.empty for t in times):
         return "-"
-    return f"{times[0].iloc[0]:.0f} / {times[1].iloc[0]:.0f}"
+    bf16, fp8 = times[0].iloc[0], times[1].iloc[0]
+    return f"{bf16:.0f} / {fp8:.0f} ({bf16 / fp8:.2f}x)"
 
 
 def plot(df, path):
@@ -217,9 +218,10 @@ def main(argv=None):
         if args.gpu_time:
             gpu_time = pd.read_csv(args.gpu_time)
             gpu_time["causal"] = gpu_time["causal"].astype(str) == "True"
-            source += (f" Forward GPU time: a call's kernels summed (torch.profiler), from "
-                       f"[`{args.gpu_time}`]({args.gpu_time}); where the FP8 op's host time exceeds it, do_bench times"
-                       " the host.")
+            how = ("one call of a CUDA graph of 10, median of 20 replays"
+                   if "method" in gpu_time and (gpu_time["method"] == "cuda_graph").all() else "a call's kernels summed (torch.profiler)")
+            source += (f" Forward GPU time: {how}, from [`{args.gpu_time}`]({args.gpu_time}); where the FP8 op's host"
+                       " time exceeds it, do_bench times the host.")
         text = (source + " FP8 with the Hadamard rotation and K smoothing (the defaults).\n\n"
                 + fp8_table(df, gpu_time))
         print(text)

@@ -38,7 +38,20 @@ def test_fp8_table_with_gpu_time(tmp_path, capsys):
     report_attention.main([speed, "--fp8", "--gpu-time", gpu])
     out = capsys.readouterr().out
     assert "| fwd GPU time, bf16 / FP8 (us) |" in out
-    assert "| 128 | 4096 | 4 x 16 | yes | 500 | 600 (1.20x) | 400 | 300 (0.75x) | 511 / 584 |" in out
+    assert "| 128 | 4096 | 4 x 16 | yes | 500 | 600 (1.20x) | 400 | 300 (0.75x) | 511 / 584 (0.88x) |" in out
+    assert "torch.profiler" in out
+
+
+def test_fp8_table_with_cuda_graph_times(tmp_path, capsys):
+    """bench_attention.py --gpu-time-out's rows (method cuda_graph) are named as CUDA-graph replays."""
+    speed = write_csv(tmp_path / "speed.csv", speed_rows())
+    gpu = write_csv(tmp_path / "gpu.csv", [
+        dict(provider=p, D=128, N=4096, B=4, H=16, H_kv=16, causal=True, fwd_gpu_us=us, method="cuda_graph",
+             gpu="GPU") for p, us in (("flashtrain", 520.0), ("flashtrain_fp8_fwd", 400.0))])
+    report_attention.main([speed, "--fp8", "--gpu-time", gpu])
+    out = capsys.readouterr().out
+    assert "CUDA graph" in out and "torch.profiler" not in out
+    assert "| 520 / 400 (1.30x) |" in out
 
 
 def test_fp8_table_without_gpu_time(tmp_path, capsys):
