@@ -139,7 +139,7 @@ from .kernels.attention_bwd import attention_bwd
 from .kernels.attention_fp8_bwd import attention_fp8_bwd
 from .kernels.attention_fp8_fwd import attention_fp8_fwd, fp8_forward_scale, fp8_tiles
 from .kernels.attention_fwd import LOG2E
-from .kernels.centring import centre
+from .kernels.centring import centre, seq_mean
 from .kernels.configs import cdiv
 from .kernels.fp8_quant import fp8_dequantize, fp8_quantize
 from .kernels.hadamard import hadamard, padded_dim
@@ -189,8 +189,9 @@ def _seq_mean(x: Tensor) -> Tensor:
 def _smoothing_mean(k: Tensor) -> Tensor:
     """K smoothing's vector for k (B, H_kv, N, D): the mean of every ``configs.smoothing_stride(N)``-th key,
     (B, H_kv, D) in fp32. The rotation or quantisation kernel subtracts it and rounds the difference to K's dtype
-    as ``_centred`` does."""
-    return _seq_mean(k[:, :, ::configs.smoothing_stride(k.shape[2])])
+    as ``_centred`` does. One kernel (``kernels.centring.seq_mean``): the value of ``_seq_mean`` of those keys up
+    to the order of its fp32 sums."""
+    return seq_mean(k, configs.smoothing_stride(k.shape[2]))
 
 
 def _centred(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:

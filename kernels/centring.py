@@ -1,5 +1,6 @@
 """Subtract a mean per (batch, head): K smoothing's centring where it is not fused into another kernel (dK in
-the FP8 backwards: the centring's Jacobian is the centring itself).
+the FP8 backwards: the centring's Jacobian is the centring itself); and the mean K smoothing subtracts, of a
+sample of the keys (``seq_mean``).
 
 y = (x - mean[b, h]).to(out dtype), computed in fp32 (fp64 for float64 x) and rounded once: the bits of the torch
 expression it replaces (``flashtrain.reference.centre_ref``), in one pass. torch's broadcast subtraction into a
@@ -53,4 +54,51 @@ def centre(x: torch.Tensor, mean: torch.Tensor, dtype: torch.dtype | None = None
         launch_kernel(
             centre_kernel, (configs.cdiv(seq, rows), heads, batch),
             x, mean.contiguous(), out, *x.stride()[:3], seq, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=rows)
+    return out
+
+
+@triton.jit
+def seq_mean_kernel(X, MEAN, stride_xb, stride_xh, stride_xn, stride_xd, n_rows, step,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_D columns of one (batch, head). Grid (cdiv(HEAD_DIM, BLOCK_D), H, B).
+
+    X (B, H, seq, HEAD_DIM), any strides; MEAN (B, H, HEAD_DIM) fp32 contiguous: the mean of X's rows 0, step,
+    2 * step, ... (n_rows of them), summed in fp32 (BLOCK_N partial sums a column, added at the end), then divided
+    by n_rows."""
+    pid_d, off_h, off_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    base = X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh + cols[None, :] * stride_xd
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        x = tl.load(base + (rows.to(tl.int64) * step * stride_xn)[:, None],
+                    mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+        acc += x.to(tl.float32)
+    mean = tl.sum(acc, axis=0) / n_rows
+    head = off_b.to(tl.int64) * tl.num_programs(1) + off_h
+    tl.store(MEAN + head * HEAD_DIM + cols, mean, mask=cols < HEAD_DIM)
+
+
+# Columns and rows a program of ``seq_mean_kernel`` holds: 64 columns keep (4, 8, N, 256) at 128 programs, and
+# a (32, 64) tile of partial sums is 16 registers a thread at 4 warps.
+SEQ_MEAN_BLOCK_D, SEQ_MEAN_BLOCK_N = 64, 32
+
+
+@configs.on_input_device
+def seq_mean(x: torch.Tensor, step: int = 1) -> torch.Tensor:
+    """The mean of every ``step``-th row of x (B, H, N, D) over the sequence (rows 0, step, 2 * step, ...), (B, H, D)
+    float32, in one launch: K smoothing's vector. The value of ``x[:, :, ::step].mean(dim=2, dtype=torch.float32)``
+    up to the order of its fp32 sums; torch's reduction took 12.3 us at (4, 8, 4096, 256) on the H200 (every 16th
+    of 4,096 keys), its latency bound (benchmarks/NOTES.md, fortieth session)."""
+    if x.dim() != 4:
+        raise ValueError(f"seq_mean: x must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
+    if step < 1:
+        raise ValueError(f"seq_mean: step={step}; expected a positive integer")
+    batch, heads, seq, head_dim = x.shape
+    out = torch.empty((batch, heads, head_dim), device=x.device, dtype=torch.float32)
+    if out.numel():
+        block_d = min(SEQ_MEAN_BLOCK_D, configs.next_power_of_2(head_dim))
+        launch_kernel(seq_mean_kernel, (configs.cdiv(head_dim, block_d), heads, batch),
+                      x, out, *x.stride(), configs.cdiv(seq, step), step, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                      BLOCK_N=SEQ_MEAN_BLOCK_N)
     return out

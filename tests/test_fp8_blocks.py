@@ -7,7 +7,7 @@ import torch
 
 from flashtrain.fp8 import _seq_mean, fp8_quantize, hadamard_transform, random_signs
 from flashtrain.kernels import fp8_quant
-from flashtrain.kernels.centring import centre
+from flashtrain.kernels.centring import centre, seq_mean
 from flashtrain.kernels.hadamard import hadamard, hadamard_matrix, padded_dim
 from flashtrain.reference import (centre_ref, fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref, mma_key_order_ref,
                                   pow2_at_least)
@@ -97,6 +97,26 @@ def test_centre_matches_reference(shape, dtype, out_dtype, device):
     assert torch.equal(out, ref) and not out.isnan().any()
     with pytest.raises(ValueError, match="mean must be float32"):
         centre(x, mean.double(), out_dtype)
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape, step", [((1, 1, 1, 24), 1), ((2, 3, 37, 40), 1), ((1, 2, 129, 64), 2),
+                                         ((2, 1, 70, 256), 16), ((1, 1, 5, 8), 7)], ids=str)
+def test_seq_mean_matches_reference(shape, step, dtype, device):
+    """K smoothing's mean of every step-th key (one kernel) against float64's mean of those rows: within fp32's
+    summation error; strided input (heads and sequence swapped), more rows than a program's 32 a column, columns
+    split over programs (256), a step past the last row (5 rows, step 7: row 0 alone); output poisoned."""
+    gen = torch.Generator().manual_seed(7)
+    batch, heads, seq, head_dim = shape
+    x = (torch.randn(batch, seq, heads, head_dim, generator=gen, dtype=torch.float64) * 3 + 1).to(device, dtype)
+    x = x.transpose(1, 2)
+    out = seq_mean(x, step)
+    assert out.dtype == torch.float32 and out.shape == (batch, heads, head_dim) and out.is_contiguous()
+    ref = x[:, :, ::step].double().mean(dim=2)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="step=0"):
+        seq_mean(x, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
