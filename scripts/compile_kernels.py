@@ -39,7 +39,7 @@ from flashtrain.kernels.attention_fp8_bwd import (attention_fp8_bwd_dkdv_kernel,
                                                   attention_fp8_bwd_dq_kernel, fp8_bwd_quantize_do_kernel)
 from flashtrain.kernels.attention_fp8_fwd import attention_fp8_fwd_kernel, fp8_scores_in_f16  # noqa: E402
 from flashtrain.kernels.attention_fwd import attention_fwd_kernel  # noqa: E402
-from flashtrain.kernels.centring import centre_kernel  # noqa: E402
+from flashtrain.kernels.centring import SEQ_MEAN_BLOCK_D, SEQ_MEAN_BLOCK_N, centre_kernel, seq_mean_kernel  # noqa: E402
 from flashtrain.kernels.dropout_mask import dropout_keep_mask_kernel  # noqa: E402
 from flashtrain.kernels import fp8_quant  # noqa: E402
 from flashtrain.kernels.fp8_quant import fp8_dequantize_kernel, fp8_quantize_kernel  # noqa: E402
@@ -213,6 +213,8 @@ def fp8_jobs(dtype="bf16", target_arch=90):
             yield (f"centre D={head_dim} from {source[1:]}", centre_kernel,
                    {"X": source, "MEAN": "*fp32", "Y": f"*{dtype}"},
                    dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, ROWS=configs.row_pass_rows(1 << 20, head_dim)), 4, 3)
+        yield (f"seq mean D={head_dim}", seq_mean_kernel, {"X": f"*{dtype}", "MEAN": "*fp32"},  # K smoothing's mean
+               dict(HEAD_DIM=head_dim, BLOCK_D=min(SEQ_MEAN_BLOCK_D, head_dim), BLOCK_N=SEQ_MEAN_BLOCK_N), 4, 3)
         # the forward transform (hadamard_transform), the inverse (dQ, dK back), the centred forward (tests) and
         # the centred inverse (fp8="forward"'s dK)
         for signs_first, centre in ((True, False), (False, False), (True, True), (False, True)):

@@ -14,8 +14,8 @@ is FP8 against flashtrain's bf16 path instead (between ``<!-- fp8-benchmark:star
     python scripts/report_attention.py benchmarks/results/attention_fp8_h200_2026-11-29.csv --fp8 --readme README.md
 
 ``--gpu-time CSV`` (with --fp8) adds each forward's GPU time, bf16 / FP8, from a CSV with the columns provider,
-D, N, B, H, causal, fwd_gpu_us (``bench_attention.py --gpu-time-out``; or the sum of a call's kernels): where the FP8 op's host time exceeds it, do_bench
-times the host, and this column shows what the GPU did.
+D, N, B, H, causal, fwd_gpu_us (``bench_attention.py --gpu-time-out``'s CUDA-graph replays, or the sum of a call's
+kernels): where the FP8 op's host time exceeds it, do_bench times the host, and this column shows what the GPU did.
 """
 
 from __future__ import annotations
@@ -218,8 +218,9 @@ def main(argv=None):
         if args.gpu_time:
             gpu_time = pd.read_csv(args.gpu_time)
             gpu_time["causal"] = gpu_time["causal"].astype(str) == "True"
-            how = ("one call of a CUDA graph of 10, median of 20 replays"
-                   if "method" in gpu_time and (gpu_time["method"] == "cuda_graph").all() else "a call's kernels summed (torch.profiler)")
+            graphs = "method" in gpu_time and (gpu_time["method"] == "cuda_graph").all()
+            how = ("one call of a CUDA graph of 10, median of 20 replays" if graphs
+                   else "a call's kernels summed (torch.profiler)")
             source += (f" Forward GPU time: {how}, from [`{args.gpu_time}`]({args.gpu_time}); where the FP8 op's host"
                        " time exceeds it, do_bench times the host.")
         text = (source + " FP8 with the Hadamard rotation and K smoothing (the defaults).\n\n"
