@@ -31,6 +31,10 @@ START, END = "<!-- attention-benchmark:start -->", "<!-- attention-benchmark:end
 FP8_START, FP8_END = "<!-- fp8-benchmark:start -->", "<!-- fp8-benchmark:end -->"
 
 
+# --gpu-time CSVs' "method" column (none: torch.profiler's kernel times) -> how the caption names it
+GPU_TIME_METHODS = {"profiler": "a call's kernels summed (torch.profiler)",
+                    "cuda_graph": "one call of a CUDA graph of 10, median of 20 replays",
+                    "cuda_graph_settled": "one call of a CUDA graph of 10, median of 20 replays after 2 s of them"}
 KEY = ["provider", "dtype", "D", "N", "B", "H", "H_kv", "causal", "mode"]
 
 
@@ -218,9 +222,11 @@ def main(argv=None):
         if args.gpu_time:
             gpu_time = pd.read_csv(args.gpu_time)
             gpu_time["causal"] = gpu_time["causal"].astype(str) == "True"
-            graphs = "method" in gpu_time and (gpu_time["method"] == "cuda_graph").all()
-            how = ("one call of a CUDA graph of 10, median of 20 replays" if graphs
-                   else "a call's kernels summed (torch.profiler)")
+            methods = set(gpu_time["method"]) if "method" in gpu_time else {"profiler"}
+            if len(methods) != 1 or not methods <= GPU_TIME_METHODS.keys():
+                raise SystemExit(f"{args.gpu_time}: one method expected, one of {sorted(GPU_TIME_METHODS)}; "
+                                 f"got {sorted(methods)}")
+            how = GPU_TIME_METHODS[methods.pop()]
             source += (f" Forward GPU time: {how}, from [`{args.gpu_time}`]({args.gpu_time}); where the FP8 op's host"
                        " time exceeds it, do_bench times the host.")
         text = (source + " FP8 with the Hadamard rotation and K smoothing (the defaults).\n\n"

@@ -64,3 +64,13 @@ def test_fp8_table_without_gpu_time(tmp_path, capsys):
 def test_gpu_time_needs_fp8(tmp_path):
     with pytest.raises(SystemExit):
         report_attention.main([write_csv(tmp_path / "speed.csv", speed_rows()), "--gpu-time", "x.csv"])
+
+
+def test_gpu_time_methods_must_agree(tmp_path):
+    """A GPU-time CSV of two methods (or an unknown one) is refused: the caption names one."""
+    speed = write_csv(tmp_path / "speed.csv", speed_rows())
+    gpu = write_csv(tmp_path / "gpu.csv", [
+        dict(provider=p, D=128, N=4096, B=4, H=16, H_kv=16, causal=True, fwd_gpu_us=500.0, method=m, gpu="GPU")
+        for p, m in (("flashtrain", "cuda_graph"), ("flashtrain_fp8_fwd", "cuda_graph_settled"))])
+    with pytest.raises(SystemExit, match="one method expected"):
+        report_attention.main([speed, "--fp8", "--gpu-time", gpu])
