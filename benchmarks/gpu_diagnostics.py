@@ -6,10 +6,13 @@ host profile to $OUT; ``fp8acc`` measures how precisely FP8 ``tl.dot`` accumulat
 (head_dim-64 causal tiles of the forward and of each backward kernel at 16k, cuDNN beside them). Twenty-seventh
 session: ``launches`` (each kernel's GPU time in one forward + backward, bf16 and both FP8 modes, (4, 16, 4096,
 128)). Thirty-fourth session: ``bwdsections`` (the causal backwards' launch sections against head by head,
-the op's backward). Needs a CUDA GPU.
+the op's backward). Fortieth session: ``power`` (the forward's GPU time by CUDA-graph replay, bf16 and
+fp8="forward", after 2 s idle and after 3 s of replays, with the SM clock and power beside it; first run as
+devrun/clocks.py, logs/fp8_run26_27_seq_mean_h200_2026-12-02.txt). Needs a CUDA GPU.
 
     OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd fp8acc profile16k bwdtiles launches
     OUT=/tmp python benchmarks/gpu_diagnostics.py bwdsections
+    OUT=/tmp python benchmarks/gpu_diagnostics.py power
 """
 import json
 import os
@@ -346,6 +349,49 @@ if "bwdsections" in section:  # thirty-fourth session: the causal backwards' blo
                     ms=round(ms, 4), tf=tf(B, H, N, D, True, ms, bwd=True))
             del q, k, v, dout, out
     configs.CAUSAL_SECTIONS, configs.CAUSAL_SECTION_KV_BYTES = None, 8 << 20
+
+if "power" in section:  # fortieth session: the forward's GPU time against the SM clock under the 700 W cap
+    def graph_of(fn, calls=10):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return graph
+
+    def replays(graph, count=20, calls=10):
+        """Median and min us a call over ``count`` replays, with the SM clock (MHz) and power (W) after each."""
+        times, clocks, watts = [], [], []
+        for _ in range(count):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+            clocks.append(torch.cuda.clock_rate())
+            watts.append(torch.cuda.power_draw() / 1000)
+        times.sort()
+        return dict(us=round(times[len(times) // 2], 1), us_min=round(times[0], 1), mhz=f"{min(clocks)}-{max(clocks)}",
+                    watts=round(max(watts)))
+
+    for B, H, N, D in ((4, 16, 4096, 128), (4, 8, 4096, 256)):
+        q, k, v = rnd(B, H, N, D)
+        for fp8 in (None, "forward"):
+            graph = graph_of(lambda: flash_attention(q, k, v, causal=True, fp8=fp8))
+            time.sleep(2)
+            log(sec="power", what=f"fp8={fp8} after 2 s idle", D=D, N=N, B=B, H=H, causal=True, **replays(graph))
+            end_load = time.time() + 3
+            while time.time() < end_load:
+                graph.replay()
+            log(sec="power", what=f"fp8={fp8} after 3 s of replays", D=D, N=N, B=B, H=H, causal=True,
+                **replays(graph))
+            del graph
 
 with open(f"{OUT}/diag1.json", "w") as fh:
     json.dump(rows, fh, indent=1)
