@@ -8,7 +8,8 @@ session: ``launches`` (each kernel's GPU time in one forward + backward, bf16 an
 128)). Thirty-fourth session: ``bwdsections`` (the causal backwards' launch sections against head by head,
 the op's backward). Fortieth session: ``power`` (the forward's GPU time by CUDA-graph replay, bf16 and
 fp8="forward", after 2 s idle and after 3 s of replays, with the SM clock and power beside it; first run as
-devrun/clocks.py, logs/fp8_run26_27_seq_mean_h200_2026-12-02.txt). Needs a CUDA GPU.
+devrun/clocks.py, logs/fp8_run26_27_seq_mean_h200_2026-12-02.txt, which timed each replay from an idle GPU). Needs
+a CUDA GPU.
 
     OUT=/tmp python benchmarks/gpu_diagnostics.py short host fp8fwd fp8bwd fp8acc profile16k bwdtiles launches
     OUT=/tmp python benchmarks/gpu_diagnostics.py bwdsections
@@ -369,6 +370,7 @@ if "power" in section:  # fortieth session: the forward's GPU time against the S
         times, clocks, watts = [], [], []
         for _ in range(count):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()  # untimed: the timed replay is launched while the GPU runs this one
             start.record()
             graph.replay()
             end.record()

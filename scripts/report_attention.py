@@ -34,7 +34,8 @@ FP8_START, FP8_END = "<!-- fp8-benchmark:start -->", "<!-- fp8-benchmark:end -->
 # --gpu-time CSVs' "method" column (none: torch.profiler's kernel times) -> how the caption names it
 GPU_TIME_METHODS = {"profiler": "a call's kernels summed (torch.profiler)",
                     "cuda_graph": "one call of a CUDA graph of 10, median of 20 replays",
-                    "cuda_graph_settled": "one call of a CUDA graph of 10, median of 20 replays after 2 s of them"}
+                    "cuda_graph_settled": ("one call of a CUDA graph of 10, median of 20 replays, each queued behind "
+                                           "another, after 2 s of them")}
 KEY = ["provider", "dtype", "D", "N", "B", "H", "H_kv", "causal", "mode"]
 
 
