@@ -352,47 +352,32 @@ if "bwdsections" in section:  # thirty-fourth session: the causal backwards' blo
     configs.CAUSAL_SECTIONS, configs.CAUSAL_SECTION_KV_BYTES = None, 8 << 20
 
 if "power" in section:  # fortieth session: the forward's GPU time against the SM clock under the 700 W cap
-    def graph_of(fn, calls=10):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        return graph
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+    from bench_attention import capture_graph, replay_us
 
-    def replays(graph, count=20, calls=10):
-        """Median and min us a call over ``count`` replays, with the SM clock (MHz) and power (W) after each."""
-        times, clocks, watts = [], [], []
-        for _ in range(count):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()  # untimed: the timed replay is launched while the GPU runs this one
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
+    def timed(graph, calls=10):
+        """Median and min us a call over 20 replays, with the SM clock (MHz) and power (W) read after each."""
+        clocks, watts = [], []
+
+        def read_clock_and_power():
             clocks.append(torch.cuda.clock_rate())
             watts.append(torch.cuda.power_draw() / 1000)
-        times.sort()
-        return dict(us=round(times[len(times) // 2], 1), us_min=round(times[0], 1), mhz=f"{min(clocks)}-{max(clocks)}",
-                    watts=round(max(watts)))
+
+        times = sorted(replay_us(graph, calls, 20, after_each=read_clock_and_power))
+        return dict(us=round(times[len(times) // 2], 1), us_min=round(times[0], 1),
+                    mhz=f"{min(clocks)}-{max(clocks)}", watts=round(max(watts)))
 
     for B, H, N, D in ((4, 16, 4096, 128), (4, 8, 4096, 256)):
         q, k, v = rnd(B, H, N, D)
         for fp8 in (None, "forward"):
-            graph = graph_of(lambda: flash_attention(q, k, v, causal=True, fp8=fp8))
+            graph = capture_graph(lambda: flash_attention(q, k, v, causal=True, fp8=fp8), 10)
             time.sleep(2)
-            log(sec="power", what=f"fp8={fp8} after 2 s idle", D=D, N=N, B=B, H=H, causal=True, **replays(graph))
+            log(sec="power", what=f"fp8={fp8} after 2 s idle", D=D, N=N, B=B, H=H, causal=True, **timed(graph))
             end_load = time.time() + 3
             while time.time() < end_load:
                 graph.replay()
             log(sec="power", what=f"fp8={fp8} after 3 s of replays", D=D, N=N, B=B, H=H, causal=True,
-                **replays(graph))
+                **timed(graph))
             del graph
 
 with open(f"{OUT}/diag1.json", "w") as fh:

@@ -123,25 +123,39 @@ def forward_gpu_us(provider, batch, heads, heads_kv, seq, head_dim, causal, dtyp
     kernels (after 3 s of replays, (4, 16, 4096, 128) causal: bf16 1695 MHz, fp8="forward" 1905; from 1980 at
     rest), so a time taken just after other work (run 27, after do_bench and a 0.3 s warm-up of bf16 matmuls)
     depends on that work (benchmarks/NOTES.md, fortieth session). Settled, each provider is timed in its own steady
-    state, as in training. Each timed replay is queued behind an untimed one: timed from an idle GPU, the host's
-    launch of the graph (a node per kernel: 60 for ten calls of the FP8 op at 4k, 10 for bf16's) would be timed
-    with it."""
+    state, as in training. The replays: ``replay_us`` (timed from an idle GPU, the host's launch of the graph, a
+    node per kernel, 60 for ten calls of the FP8 op at 4k and 10 for bf16's, would be timed with it)."""
     q, k, v = (torch.randn(batch, h, seq, head_dim, device="cuda", dtype=dtype) for h in (heads, heads_kv, heads_kv))
     fn = make_provider(provider, causal, seq, heads != heads_kv)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(stream):
-        for _ in range(3):  # compile, tune and allocate outside the capture
-            fn(q, k, v)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(q, k, v)
+    graph = capture_graph(lambda: fn(q, k, v), calls)
     end_settle = time.time() + settle_s
     while time.time() < end_settle:
         graph.replay()
         torch.cuda.synchronize()
+    times = sorted(replay_us(graph, calls, replays))
+    return times[len(times) // 2]
+
+
+def capture_graph(fn, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn()`` without autograd, captured after three calls outside it on a
+    side stream (compiling, tuning and allocating there)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, calls: int, replays: int, after_each=None) -> list[float]:
+    """Microseconds a call in each of ``replays`` timed replays of ``graph`` (``calls`` calls in it); each is queued
+    behind an untimed replay, so that the host's launch of the graph is not timed with it. ``after_each()``: called
+    after each timed replay (e.g. to read the clock)."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -151,7 +165,9 @@ def forward_gpu_us(provider, batch, heads, heads_kv, seq, head_dim, causal, dtyp
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+        if after_each is not None:
+            after_each()
+    return times
 
 
 def bench_memory(provider, seq, batch=1, heads=16, head_dim=128, causal=True, dtype=torch.bfloat16):
