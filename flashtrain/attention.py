@@ -195,18 +195,10 @@ def _check_fp8(q, key_padding_mask, dropout_p, fp8, hadamard, smooth_k) -> None:
     if key_padding_mask is not None or dropout_p:
         raise ValueError(f"flash_attention: fp8={fp8!r} does not support key_padding_mask or dropout_p yet; "
                          "use fp8=None for them")
-    if q.device.type == "cuda" and _capability(q.device) < (8, 9):
+    if q.device.type == "cuda" and device_capability(q.device) < (8, 9):
         raise ValueError(f"flash_attention: fp8={fp8!r} needs FP8 tensor cores (compute capability 8.9+); "
                          f"{torch.cuda.get_device_name(q.device)} has "
-                         f"{'.'.join(map(str, _capability(q.device)))}")
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    """``configs.device_capability``, cached for eager calls. Under torch.compile the query is made directly:
-    Dynamo folds it into a constant, and it warns about a ``functools.cache`` wrapper it traces through."""
-    if torch.compiler.is_compiling():
-        return torch.cuda.get_device_capability(device)
-    return device_capability(device)
+                         f"{'.'.join(map(str, device_capability(q.device)))}")
 
 
 def _check_padding_and_dropout(q, k, key_padding_mask, dropout_p) -> None:

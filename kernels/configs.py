@@ -92,10 +92,17 @@ def launch_device(t: torch.Tensor):
     return torch.cuda.device(t.device)
 
 
-@functools.cache
 def device_capability(device: torch.device) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability(device)``, asked once per device: the query costs a few microseconds of
-    host time, and the FP8 op asked it three times a call."""
+    """``torch.cuda.get_device_capability(device)``, asked once per device in eager calls: the query costs a few
+    microseconds of host time, and the FP8 op asked it three times a call. Under torch.compile it is asked directly:
+    Dynamo folds it into a constant, and it warns about a ``functools.cache`` wrapper it traces through."""
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_capability(device)
+    return _cached_capability(device)
+
+
+@functools.cache
+def _cached_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
