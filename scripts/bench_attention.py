@@ -234,8 +234,14 @@ def bench_point(point, providers, flex_seqs, meta, record, start):
         for r in results:
             record(r)
         summary = " ".join(f"{r['mode']} {r.get('tflops') or r['status']}" for r in results)
-        print(f"[{time.time() - start:6.0f}s] {provider:15s} D={head_dim:3d} N={seq:5d} H={heads}/{heads_kv} "
-              f"causal={causal!s:5s} {summary}", flush=True)
+        progress(start, provider, point, summary)
+
+
+def progress(start, provider, point, result):
+    """One progress line: seconds since ``start``, the provider, the (B, H, H_kv, N, D, causal) point, a result."""
+    _, heads, heads_kv, seq, head_dim, causal = point
+    print(f"[{time.time() - start:6.0f}s] {provider:15s} D={head_dim:3d} N={seq:5d} H={heads}/{heads_kv} "
+          f"causal={causal!s:5s} {result}", flush=True)
 
 
 def memory(meta, record, start):
@@ -285,8 +291,7 @@ def fp8_table(subset, meta, record, gpu_time_out, start):
             writer.writerow(dict(provider=provider, D=head_dim, N=seq, B=batch, H=heads, H_kv=heads_kv,
                                  causal=causal, fwd_gpu_us=f"{us:.1f}", method="cuda_graph_settled", **meta))
             out.flush()
-            print(f"[{time.time() - start:6.0f}s] {provider:15s} D={head_dim:3d} N={seq:5d} H={heads}/{heads_kv} "
-                  f"causal={causal!s:5s} fwd GPU time {us:.1f} us", flush=True)
+            progress(start, provider, point, f"fwd GPU time {us:.1f} us")
     if out is not None:
         out.close()
 
