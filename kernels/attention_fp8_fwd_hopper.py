@@ -72,7 +72,7 @@ from .attention_fwd_hopper import (WG_ROWS, _finish_q_load, _kv_loader, _masked_
                                    _unmasked_blocks, _wait_turn, ensure_scratch_allocator)
 from .configs import cdiv, fp8_hopper_fwd_meta
 from .fp8_quant import MIN_SCALE
-from .launch import launch_kernel
+from .launch import FixedLaunch, kept
 
 LOG2_448 = gl.constexpr(8.807354922057604)  # log2(448): P's fixed e4m3 scale, added in the exponent
 # The largest score scale c (log2 domain, per Q and K tile) the float16 scores take: |Q8 K8^T| <= 32768, so the
@@ -579,17 +579,37 @@ def attention_fp8_fwd_hopper(q8, q_scales, k8, k_scales, vt8, v_scales, out, lse
     if q_scales.shape[2] != cdiv(seq_q, Q_TILE.value):  # the kernel indexes them by tiles of Q_TILE rows
         raise ValueError(f"q_scales: expected one scale per tile of {Q_TILE.value} query rows, "
                          f"{cdiv(seq_q, Q_TILE.value)} for seq_q={seq_q}; got shape {tuple(q_scales.shape)}")
-    meta = {**fp8_hopper_fwd_meta(head_dim, causal), **overrides}
     ensure_scratch_allocator()
+    meta = {**fp8_hopper_fwd_meta(head_dim, causal), **overrides}
     # float16 scores: each (batch, KV head)'s largest K tile scale, (B, H_kv) (the kernel widens the exponent
     # where a score could leave float16's range)
     k_scale_max = k_scales.amax(dim=2).contiguous() if meta["F16_SCORES"] else k_scales
+    tensors = (q8, q_scales, k8, k_scales, k_scale_max, vt8, v_scales, out, lse)
     grid = (cdiv(seq_q, WG_ROWS.value * meta["CONSUMERS"]), heads_q, batch)
-    launch_kernel(
-        attention_fp8_fwd_hopper_kernel, grid,
-        q8, q_scales, k8, k_scales, k_scale_max, vt8, v_scales, out, lse, *q8.stride()[:3], *k8.stride()[:3],
-        *vt8.stride()[:3], *out.stride(), seq_q, seq_k, scale * LOG2E,
-        configs.causal_sections(causal, batch * heads_q, grid[0], heads_q // k8.shape[1], seq_k,
-                                qk_dim + head_dim, q8.device),
-        GROUP=heads_q // k8.shape[1], QK_DIM=qk_dim, HEAD_DIM=head_dim, KV_TILE=kv_tile, CAUSAL=causal, **meta,
-        num_warps=4)
+    # outside the kept launch: configs.CAUSAL_SECTIONS and its byte budget may change between calls (tests, sweeps)
+    sections = configs.causal_sections(causal, batch * heads_q, grid[0], heads_q // k8.shape[1], seq_k,
+                                       qk_dim + head_dim, q8.device)
+    signature = (grid, q8.shape, q8.stride(), k8.shape, k8.stride(), vt8.stride(), out.stride(), head_dim, causal,
+                 scale, kv_tile, sections)
+    launch = _fp8_fwd_hopper_launch(*signature, meta) if overrides else _kept_fp8_fwd_hopper_launch(*signature)
+    launch(*tensors)
+
+
+def _fp8_fwd_hopper_launch(grid: tuple, q_shape: tuple, q_strides: tuple, k_shape: tuple, k_strides: tuple,
+                           vt_strides: tuple, out_strides: tuple, head_dim: int, causal: bool, scale: float,
+                           kv_tile: int, sections: int, meta: dict | None = None) -> FixedLaunch:
+    """``attention_fp8_fwd_hopper``'s launch for one signature of its operands. ``meta``: the kernel's constexprs,
+    ``fp8_hopper_fwd_meta``'s unless given."""
+    seq_q, qk_dim, heads_q = q_shape[2], q_shape[3], q_shape[1]
+    heads_kv, seq_k = k_shape[1], k_shape[2]
+    meta = fp8_hopper_fwd_meta(head_dim, causal) if meta is None else meta
+    return FixedLaunch(attention_fp8_fwd_hopper_kernel, grid,
+                       (*q_strides[:3], *k_strides[:3], *vt_strides[:3], *out_strides, seq_q, seq_k, scale * LOG2E,
+                        sections),
+                       dict(GROUP=heads_q // heads_kv, QK_DIM=qk_dim, HEAD_DIM=head_dim, KV_TILE=kv_tile,
+                            CAUSAL=causal, **meta, num_warps=4))
+
+
+# kept per signature without overrides: the launcher's Python and keying took ~18 us of host time a call on the CPU
+# box (benchmarks/NOTES.md, forty-first session)
+_kept_fp8_fwd_hopper_launch = kept(_fp8_fwd_hopper_launch)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from . import configs
 from .hadamard import check_mean
-from .launch import launch_kernel
+from .launch import FixedLaunch, kept, launch_kernel
 
 
 @triton.jit
@@ -98,8 +98,14 @@ def seq_mean(x: torch.Tensor, step: int = 1) -> torch.Tensor:
     batch, heads, seq, head_dim = x.shape
     out = torch.empty((batch, heads, head_dim), device=x.device, dtype=torch.float32)
     if out.numel():
-        block_d = min(SEQ_MEAN_BLOCK_D, configs.next_power_of_2(head_dim))
-        launch_kernel(seq_mean_kernel, (configs.cdiv(head_dim, block_d), heads, batch),
-                      x, out, *x.stride(), configs.cdiv(seq, step), step, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                      BLOCK_N=SEQ_MEAN_BLOCK_N)
+        _seq_mean_launch(batch, heads, seq, head_dim, x.stride(), step)(x, out)
     return out
+
+
+@kept
+def _seq_mean_launch(batch: int, heads: int, seq: int, head_dim: int, strides: tuple, step: int) -> FixedLaunch:
+    """``seq_mean``'s launch for one shape, kept (host time: benchmarks/NOTES.md, forty-first session)."""
+    block_d = min(SEQ_MEAN_BLOCK_D, configs.next_power_of_2(head_dim))
+    return FixedLaunch(seq_mean_kernel, (configs.cdiv(head_dim, block_d), heads, batch),
+                       (*strides, configs.cdiv(seq, step), step),
+                       dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=SEQ_MEAN_BLOCK_N))

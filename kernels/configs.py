@@ -87,9 +87,12 @@ def launch_device(t: torch.Tensor):
     ("Pointer argument ... cannot be accessed from Triton", seen on a 2-GPU H200 host) and others may run on
     cuda:0, on its stream, out of order with cuda:1's work. A no-op for CPU tensors and when that device is
     already current, as it is in Lightning's processes."""
-    if not t.is_cuda or t.device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(t.device)
+    return torch.cuda.device(t.device) if _on_another_gpu(t) else contextlib.nullcontext()
+
+
+def _on_another_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on a CUDA device other than the current one."""
+    return t.is_cuda and t.device.index != torch.cuda.current_device()
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
@@ -117,9 +120,9 @@ def on_input_device(launcher):
     @functools.wraps(launcher)
     def launch_on_input_device(*args, **kwargs):
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None:
+        if first is None or not _on_another_gpu(first):  # no context (an FP8 forward passes here six times)
             return launcher(*args, **kwargs)
-        with launch_device(first):
+        with torch.cuda.device(first.device):
             return launcher(*args, **kwargs)
     return launch_on_input_device
 

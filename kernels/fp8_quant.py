@@ -23,6 +23,7 @@ of x and one write of its e4m3 bytes.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,7 +32,7 @@ import triton.language as tl
 from . import configs
 from .attention_fwd import _scale, split_scale
 from .hadamard import _fwht, check_mean, hadamard, hadamard_matrix, padded_dim
-from .launch import launch_kernel
+from .launch import FixedLaunch, kept, launch_kernel
 
 E4M3_MAX = 448.0
 # What fp8_quantize's amax_to may be: e4m3's largest, or a power of two from 1 to 256
@@ -698,78 +699,116 @@ def fp8_quantize(x: torch.Tensor, block_n: int, *, mean: torch.Tensor | None = N
     Hopper forward sums Q8 K8^T in float16 with Q and K at 16: ``configs.FP8_SCORES_AMAX``); e4m3's subnormals
     then start at amax / (64 * amax_to) instead of amax / 28672.
     """
-    if amax_to not in AMAX_TO_CHOICES:
-        raise ValueError(f"fp8_quantize: amax_to={amax_to!r}; expected 448.0 or a power of two from 1 to 256")
-    if with_transposed and (transposed or mma_key_order):
-        raise ValueError(f"fp8_quantize: with_transposed=True returns the row-major q and a transposed copy; "
-                         f"got transposed={transposed!r}, mma_key_order={mma_key_order!r} with it")
-    if with_transposed and x.dtype not in (torch.float16, torch.bfloat16):
+    rotate = signs is not None
+    plan = _quantize_plan(tuple(x.shape), x.stride(), x.dtype, x.device, block_n, mean is not None,
+                          tuple(signs.shape) if rotate else None, transposed, empty_tile_scale, mma_key_order,
+                          with_transposed, amax_to)
+    check_mean("fp8_quantize", mean, (*x.shape[:2], x.shape[3]))
+    if plan is None:
         # two launches: one storing both layouts wrote wrong bytes into one of them for float32 x on the H200
         # (triton 3.6, 16-bit x right; benchmarks/NOTES.md), and the interpreter's bytes were right throughout
         q, scales = fp8_quantize(x, block_n, mean=mean, signs=signs, empty_tile_scale=empty_tile_scale,
                                  amax_to=amax_to)
         return q, scales, fp8_quantize(x, block_n, mean=mean, signs=signs, transposed=True, amax_to=amax_to)[0]
-    if empty_tile_scale not in (0.0, 1.0):
-        raise ValueError(f"fp8_quantize: empty_tile_scale={empty_tile_scale!r}; expected 1.0 or 0.0")
-    if mma_key_order and not (transposed and block_n % 32 == 0):
-        raise ValueError(f"fp8_quantize: mma_key_order=True needs transposed=True and block_n a multiple of 32; "
-                         f"got transposed={transposed!r}, block_n={block_n}")
-    if x.dim() != 4:
-        raise ValueError(f"fp8_quantize: x must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"fp8_quantize: block_n={block_n}; expected a power of two >= 16")
-    batch, heads, seq, head_dim = x.shape
-    check_mean("fp8_quantize", mean, (batch, heads, head_dim))
-    out_dim = head_dim
-    if signs is not None:
-        out_dim = padded_dim(head_dim)
-        if out_dim > 256:
-            raise ValueError(f"fp8_quantize: the rotation of head_dim {head_dim} is {out_dim} wide; at most 256")
-        if signs.shape != (out_dim, ):
-            raise ValueError(f"fp8_quantize: signs has shape {tuple(signs.shape)}; expected ({out_dim},) for "
-                             f"head_dim {head_dim}")
-    store_rows = configs.cdiv(seq, 32) * 32 if mma_key_order else seq
-
-    if transposed:
-        q = transposed_e4m3(batch, heads, store_rows, out_dim, x.device)
-    else:
-        q = torch.empty((batch, heads, seq, out_dim), device=x.device, dtype=torch.float8_e4m3fn)
-    q_t = transposed_e4m3(batch, heads, store_rows, out_dim, x.device) if with_transposed else q
-    scales = torch.empty((batch, heads, configs.cdiv(seq, block_n)), device=x.device, dtype=torch.float32)
-    if q.numel():
-        rotate = signs is not None
-        block_d = out_dim if rotate else configs.block_d(head_dim)
-        launch = quant_launch(block_n, block_d, rotate, mean is not None, x.element_size(), with_transposed)
-        tiles = batch * heads * configs.cdiv(seq, block_n)
-        if launch["TILES"] > 1 and x.is_cuda and tiles >= 7 * configs.sm_count(x.device):
-            launch["TILES"] = ROTATE_TILES_PER_PROGRAM_LARGE
-        grid = (configs.cdiv(configs.cdiv(seq, block_n), launch["TILES"]), heads, batch)
-        if mean is not None and launch["METHOD"] == "halves":
+    q, q_t, scales = plan.outputs(x.device)
+    if plan.launch is not None:
+        if plan.rotates_mean:
             # the rotation by halves subtracts the rotated mean as given: rotated here, once (the bits of the
             # kernel's ``_rotated_mean``), where the kernel would redo it for every tile (``_mean_halves``)
             mean = hadamard(mean, signs)
-        launch_kernel(
-            fp8_quantize_kernel, grid,
-            x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
-            rotation_matrix(launch["METHOD"], block_d, x), q, q_t, scales,
-            *x.stride(), *q.stride(), *q_t.stride(), seq, store_rows, *split_scale(1.0 / math.sqrt(block_d)),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, CENTRE=mean is not None, ROTATE=rotate,
-            DOT_PRECISION="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32",
-            ZERO_SCALE_IF_EMPTY=empty_tile_scale == 0.0, MMA_KEY_ORDER=mma_key_order, SECOND_COPY=with_transposed,
-            AMAX_TO=float(amax_to), **launch)
+        plan.launch(x, x if mean is None else mean.contiguous(), signs.to(x.device) if rotate else x,
+                    x if plan.matrix is None else plan.matrix, q, q_t, scales)
     if with_transposed:
         return q, scales, q_t.transpose(2, 3)
     return (q.transpose(2, 3) if transposed else q), scales
 
 
-def rotation_matrix(method: str, block_d: int, x: torch.Tensor) -> torch.Tensor:
-    """The +-1 matrix the quantisation kernel's rotation METHOD reads (``_rotation_operands``), in x's dtype; x
-    itself where none is read."""
+class _QuantizePlan(NamedTuple):
+    """What ``fp8_quantize`` does for one signature of its arguments (``_quantize_plan``)."""
+    shape: tuple  # q's (B, H, N, D_out)
+    store_rows: int  # rows of the transposed layouts (N, or N rounded up to 32 in the MMA key order)
+    n_tiles: int
+    transposed: bool
+    with_transposed: bool
+    launch: FixedLaunch | None  # None: nothing to quantise
+    rotates_mean: bool  # the mean is rotated before the launch (the rotation by halves)
+    matrix: torch.Tensor | None  # the +-1 matrix the rotation reads (``rotation_matrix``)
+
+    def outputs(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, q_t, scales), uninitialised: q (B, H, N, D_out) e4m3, row-major or, with ``transposed``, the view
+        of ``transposed_e4m3``; q_t that second layout with ``with_transposed``, else q; scales (B, H, n_tiles)."""
+        batch, heads, seq, out_dim = self.shape
+        if self.transposed:
+            q = transposed_e4m3(batch, heads, self.store_rows, out_dim, device)
+        else:
+            q = torch.empty(self.shape, device=device, dtype=torch.float8_e4m3fn)
+        q_t = transposed_e4m3(batch, heads, self.store_rows, out_dim, device) if self.with_transposed else q
+        return q, q_t, torch.empty((batch, heads, self.n_tiles), device=device, dtype=torch.float32)
+
+
+@kept
+def _quantize_plan(shape: tuple, strides: tuple, dtype: torch.dtype, device: torch.device, block_n: int, centre: bool,
+                   signs_shape: tuple | None, transposed: bool, empty_tile_scale: float, mma_key_order: bool,
+                   with_transposed: bool, amax_to: float) -> _QuantizePlan | None:
+    """``fp8_quantize``'s checks of its arguments and its launch for one signature of them, once (its Python took
+    28-55 us of host time a call on the CPU box, the launch's keying included; benchmarks/NOTES.md, forty-first
+    session). None: float32 or float64 x with ``with_transposed``, quantised by two calls."""
+    if amax_to not in AMAX_TO_CHOICES:
+        raise ValueError(f"fp8_quantize: amax_to={amax_to!r}; expected 448.0 or a power of two from 1 to 256")
+    if with_transposed and (transposed or mma_key_order):
+        raise ValueError(f"fp8_quantize: with_transposed=True returns the row-major q and a transposed copy; "
+                         f"got transposed={transposed!r}, mma_key_order={mma_key_order!r} with it")
+    if with_transposed and dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if empty_tile_scale not in (0.0, 1.0):
+        raise ValueError(f"fp8_quantize: empty_tile_scale={empty_tile_scale!r}; expected 1.0 or 0.0")
+    if mma_key_order and not (transposed and block_n % 32 == 0):
+        raise ValueError(f"fp8_quantize: mma_key_order=True needs transposed=True and block_n a multiple of 32; "
+                         f"got transposed={transposed!r}, block_n={block_n}")
+    if len(shape) != 4:
+        raise ValueError(f"fp8_quantize: x must be 4-D (batch, heads, seq, head_dim); got shape {shape}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"fp8_quantize: block_n={block_n}; expected a power of two >= 16")
+    batch, heads, seq, head_dim = shape
+    rotate = signs_shape is not None
+    out_dim = head_dim
+    if rotate:
+        out_dim = padded_dim(head_dim)
+        if out_dim > 256:
+            raise ValueError(f"fp8_quantize: the rotation of head_dim {head_dim} is {out_dim} wide; at most 256")
+        if signs_shape != (out_dim, ):
+            raise ValueError(f"fp8_quantize: signs has shape {signs_shape}; expected ({out_dim},) for "
+                             f"head_dim {head_dim}")
+    store_rows = configs.cdiv(seq, 32) * 32 if mma_key_order else seq
+    n_tiles = configs.cdiv(seq, block_n)
+    plan = _QuantizePlan((batch, heads, seq, out_dim), store_rows, n_tiles, transposed, with_transposed, None, False,
+                         None)
+    if not batch * heads * seq * out_dim:
+        return plan
+    block_d = out_dim if rotate else configs.block_d(head_dim)
+    launch = quant_launch(block_n, block_d, rotate, centre, dtype.itemsize, with_transposed)
+    if launch["TILES"] > 1 and device.type == "cuda" and batch * heads * n_tiles >= 7 * configs.sm_count(device):
+        launch["TILES"] = ROTATE_TILES_PER_PROGRAM_LARGE
+    q, q_t, _ = plan.outputs("meta")  # the strides the outputs will have
+    fixed = FixedLaunch(
+        fp8_quantize_kernel, (configs.cdiv(n_tiles, launch["TILES"]), heads, batch),
+        (*strides, *q.stride(), *q_t.stride(), seq, store_rows, *split_scale(1.0 / math.sqrt(block_d))),
+        dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, CENTRE=centre, ROTATE=rotate,
+             DOT_PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32",
+             ZERO_SCALE_IF_EMPTY=empty_tile_scale == 0.0, MMA_KEY_ORDER=mma_key_order, SECOND_COPY=with_transposed,
+             AMAX_TO=float(amax_to), **launch))
+    return plan._replace(launch=fixed, rotates_mean=centre and launch["METHOD"] == "halves",
+                         matrix=rotation_matrix(launch["METHOD"], block_d, dtype, device))
+
+
+def rotation_matrix(method: str, block_d: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """The +-1 matrix the quantisation kernel's rotation METHOD reads (``_rotated_rows``), of ``dtype`` (the
+    input's), or None where it reads none (the butterfly)."""
     if method == "matmul":
-        return hadamard_matrix(block_d, x.dtype, x.device)
+        return hadamard_matrix(block_d, dtype, device)
     if method == "halves":
-        return hadamard_matrix(block_d // 2, x.dtype, x.device)
-    return x
+        return hadamard_matrix(block_d // 2, dtype, device)
+    return None
 
 
 def quantize_scores_operands(q, k, block_q: int, block_k: int, signs=None, k_mean=None, amax_to: float = E4M3_MAX,

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from . import configs
 from .attention_fwd import _scale, split_scale
-from .launch import launch_kernel
+from .launch import FixedLaunch, kept
 
 
 @triton.jit
@@ -147,12 +147,19 @@ def hadamard(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False, out_di
     rows = x.reshape(-1, d_in).contiguous()
     y = torch.empty((rows.shape[0], d_out), device=x.device, dtype=out_dtype or x.dtype)
     if rows.shape[0]:
-        launch_kernel(
-            hadamard_kernel, (configs.cdiv(rows.shape[0], HADAMARD_BLOCK_R),),
-            rows, signs.to(device=x.device).contiguous(), y, rows if mean is None else mean.contiguous(),
-            rows.shape[0], d_in, d_out, x.shape[2] if mean is not None else 1, *split_scale(1.0 / math.sqrt(d)),
-            D=d, BLOCK_R=HADAMARD_BLOCK_R, SIGNS_FIRST=not inverse, CENTRE=mean is not None)
+        launch = _hadamard_launch(rows.shape[0], d_in, d, d_out, x.shape[2] if mean is not None else 1, inverse,
+                                  mean is not None)
+        launch(rows, signs.to(device=x.device).contiguous(), y, rows if mean is None else mean.contiguous())
     return y.view(*x.shape[:-1], d_out)
+
+
+@kept
+def _hadamard_launch(n_rows: int, d_in: int, d: int, d_out: int, rows_per_mean: int, inverse: bool,
+                     centre: bool) -> FixedLaunch:
+    """``hadamard``'s launch for one shape, kept (host time: benchmarks/NOTES.md, forty-first session)."""
+    return FixedLaunch(hadamard_kernel, (configs.cdiv(n_rows, HADAMARD_BLOCK_R),),
+                       (n_rows, d_in, d_out, rows_per_mean, *split_scale(1.0 / math.sqrt(d))),
+                       dict(D=d, BLOCK_R=HADAMARD_BLOCK_R, SIGNS_FIRST=not inverse, CENTRE=centre))
 
 
 def check_mean(fn: str, mean: torch.Tensor | None, shape: tuple) -> None:

@@ -10,6 +10,11 @@ the paired differences, benchmarks/results/host_time_direct_launch_h200_2026-11-
 time per bf16 forward (one launch), 46-99 us per FP8 forward (four), 155-237 us per bf16 forward + backward and
 188-316 us per ``fp8="full"`` forward + backward.
 
+``FixedLaunch`` goes further for launchers that keep a launch per shape (``kept``): its scalar arguments and
+constexprs are fixed when it is made, so a call passes only the tensors and looks the compiled kernel up by their
+dtypes and alignments (the FP8 forward's quantisation, mean, rotation and Hopper launches: benchmarks/NOTES.md,
+forty-first session).
+
 The key holds everything Triton 3.6 specialises a kernel on, or finer (``arg_keys``), so two calls with one key
 compile to the same kernel. Only Triton 3.6's launcher contract has been read (``JITFunction.run``,
 ``CompiledKernel.run``): other versions, Triton's interpreter, and launches with a launch hook set (profilers
@@ -18,6 +23,7 @@ read the hook's metadata) take the JIT path.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -89,3 +95,68 @@ def launch_kernel(kernel, grid: tuple, *args, **constexprs) -> None:
     grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
     compiled.run(grid_x, grid_y, grid_z, driver.active.get_current_stream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *trailing)
+
+
+class FixedLaunch:
+    """``kernel[grid](*tensors, *scalars, **constexprs)`` with everything but the tensors fixed when it is made.
+
+    For a launcher that keeps one per shape (an ``functools.lru_cache`` keyed by the shapes, strides, dtypes and
+    flags its scalars and constexprs come from): then Triton 3.6's specialisation varies only with the tensors'
+    dtypes and 16-byte alignment, and a call looks the compiled kernel up by those, without ``launch_kernel``'s
+    keying of every argument (~6 us of host time for 26 of them on the CPU box) or its constexprs. The kernel's
+    parameters: the tensors first, then the scalars, then the constexprs (by name, and launch options such as
+    ``num_warps``). Takes the JIT path where ``launch_kernel`` does (other Triton versions, the interpreter, a
+    launch hook set)."""
+
+    __slots__ = ("kernel", "grid", "scalars", "constexprs", "tensor_count", "trailing", "compiled")
+
+    def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict):
+        self.kernel, self.grid = kernel, (*grid, 1, 1)[:3]
+        self.scalars, self.constexprs = tuple(scalars), dict(constexprs)
+        self.compiled: dict = {}  # (device, (dtype, aligned) per tensor) -> compiled kernel
+        self.tensor_count, self.trailing = None, ()
+        if not DIRECT:  # the JIT launch every call (an interpreted kernel has no parameter list to read)
+            return
+        params = kernel.params
+        first = next(i for i, p in enumerate(params) if p.is_constexpr)
+        wrong = [p.name for p in params[first:] if not p.is_constexpr or not (p.name in constexprs or p.has_default)]
+        if wrong or first < len(self.scalars):
+            raise TypeError(f"FixedLaunch: {kernel.__name__} takes its tensors, {len(self.scalars)} scalars, then "
+                            f"constexprs by name; parameters {wrong} are not constexprs given or defaulted")
+        self.tensor_count = first - len(self.scalars)
+        # the constexprs in signature order, as Triton 3.6's JITFunction.run passes them to the compiled launcher
+        self.trailing = tuple(constexprs[p.name] if p.name in constexprs else p.default for p in params[first:])
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        if not DIRECT or _hooks_set():
+            self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs)
+            return
+        device = driver.active.get_current_device()
+        key = (device, *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            if len(tensors) != self.tensor_count:
+                raise TypeError(f"FixedLaunch: {self.kernel.__name__} takes {self.tensor_count} tensors; got "
+                                f"{len(tensors)}")
+            self.compiled[key] = self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs)
+            return
+        compiled.run(*self.grid, driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *tensors, *self.scalars, *self.trailing)
+
+
+_KEPT: list = []
+
+
+def kept(fn):
+    """``functools.lru_cache(maxsize=512)`` for a launcher's per-signature plan (the ``FixedLaunch`` and what else it
+    works out from shapes), registered for ``clear_kept``: a plan holds what its module's tuning constants said when
+    it was made, so a change to them (tests) must clear the plans to take effect."""
+    cached = functools.lru_cache(maxsize=512)(fn)
+    _KEPT.append(cached)
+    return cached
+
+
+def clear_kept() -> None:
+    """Forget every ``kept`` plan (they are rebuilt on the next call, from the module constants of that time)."""
+    for cached in _KEPT:
+        cached.cache_clear()

@@ -21,7 +21,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="flasht
 
 import pytest  # noqa: E402
 
-from flashtrain.kernels.launch import INTERPRET  # noqa: E402  (the kernels' own reading of TRITON_INTERPRET)
+from flashtrain.kernels.launch import INTERPRET, clear_kept  # noqa: E402  (INTERPRET: the kernels' own reading)
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -35,6 +35,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and not INTERPRET:
             item.add_marker(skip_interpreter)
+
+
+@pytest.fixture(autouse=True)
+def fresh_launch_plans():
+    """Each test builds the launchers' kept plans anew and leaves none behind: a plan holds the module constants of
+    its time, and tests change them (monkeypatch undoes the change before this fixture's teardown)."""
+    clear_kept()
+    yield
+    clear_kept()
 
 
 @pytest.fixture

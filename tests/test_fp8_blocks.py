@@ -9,6 +9,7 @@ from flashtrain.fp8 import _seq_mean, fp8_quantize, hadamard_transform, random_s
 from flashtrain.kernels import fp8_quant
 from flashtrain.kernels.centring import centre, seq_mean
 from flashtrain.kernels.hadamard import hadamard, hadamard_matrix, padded_dim
+from flashtrain.kernels.launch import clear_kept
 from flashtrain.reference import (centre_ref, fp8_dequantize_ref, fp8_quantize_ref, hadamard_ref, mma_key_order_ref,
                                   pow2_at_least)
 
@@ -300,6 +301,7 @@ def test_rotated_quantise_tiles_per_program(head_dim, tiles, overlap, form, devi
     monkeypatch.setitem(fp8_quant.HALVES_LAUNCH, "TILES", tiles)
     monkeypatch.setattr(fp8_quant, "QUANT_OVERLAP", overlap)
     monkeypatch.setattr(fp8_quant, "HALVES_OVERLAP_CENTRED", overlap)
+    clear_kept()  # the reference's plan was made with the constants before these
     launch = fp8_quant.quant_launch(16, head_dim, True, centre, second_copy=both)
     assert launch["METHOD"] == ("halves" if head_dim == 256 else "matmul") and launch["TILES"] == tiles
     assert launch["OVERLAP"] == (overlap and tiles > 1)

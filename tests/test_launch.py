@@ -13,7 +13,8 @@ from triton.runtime.jit import native_specialize_impl
 
 from flashtrain import flash_attention
 from flashtrain.kernels import launch
-from flashtrain.kernels.fp8_quant import fp8_quantize, fp8_quantize_kernel
+from flashtrain.kernels import fp8_quant
+from flashtrain.kernels.fp8_quant import fp8_quantize
 from flashtrain.reference import fp8_quantize_ref
 from flashtrain.testing import rel_error
 
@@ -56,6 +57,30 @@ def test_launch_kernel_is_the_jit_launch(device):
         y = torch.full((n,), float("nan"), device=device)
         launch.launch_kernel(_scaled_copy_kernel, (triton.cdiv(n, 32),), x[start:start + n], y, n, BLOCK=32)
         assert torch.equal(y, x[start:start + n] * 2), (start, n)
+
+
+def test_fixed_launch_is_the_jit_launch(device):
+    """A ``FixedLaunch`` per size gives ``kernel[grid](...)``'s results on every call, the first (compiling) and later
+    ones, for aligned and unaligned views of the same size; directly launched, each alignment gets its own compiled
+    kernel."""
+    x = torch.arange(100, dtype=torch.float32, device=device)
+    launches = {n: launch.FixedLaunch(_scaled_copy_kernel, (triton.cdiv(n, 32),), (n,), dict(BLOCK=32))
+                for n in (64, 37, 50)}
+    for start, n in [(0, 64), (0, 64), (1, 64), (1, 64), (0, 64), (0, 37), (1, 50), (2, 50)]:
+        y = torch.full((n,), float("nan"), device=device)
+        launches[n](x[start:start + n], y)
+        assert torch.equal(y, x[start:start + n] * 2), (start, n)
+    if launch.DIRECT:
+        assert len(launches[64].compiled) == 2  # x aligned and x[1:]
+
+
+@pytest.mark.gpu
+def test_fixed_launch_refuses_a_missing_constexpr(device):
+    """A constexpr without a default must be given when the launch is made: refused there, not at a later launch."""
+    if not launch.DIRECT:
+        pytest.skip("direct launches are off for this Triton version")
+    with pytest.raises(TypeError, match="BLOCK"):
+        launch.FixedLaunch(_scaled_copy_kernel, (1,), (32,), {})
 
 
 @pytest.mark.gpu
@@ -112,8 +137,10 @@ def test_unaligned_input_gets_its_own_compiled_kernel(device):
             ref_q, ref_scales = fp8_quantize_ref(x.float(), 64)
             assert torch.equal(scales, ref_scales), name
             assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), name
-    keys = [k for k in launch._compiled if k[0] == id(fp8_quantize_kernel)]
-    assert {k[2][0] for k in keys} >= {(torch.bfloat16, True), (torch.bfloat16, False)}
+    x = views["aligned"]
+    plan = fp8_quant._quantize_plan(tuple(x.shape), x.stride(), x.dtype, x.device, 64, False, None, False, 1.0, False,
+                                    False, fp8_quant.E4M3_MAX)
+    assert {key[1] for key in plan.launch.compiled} >= {(torch.bfloat16, True), (torch.bfloat16, False)}  # x's
 
 
 @pytest.mark.gpu
