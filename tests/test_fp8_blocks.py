@@ -307,6 +307,9 @@ def test_rotated_quantise_tiles_per_program(head_dim, tiles, overlap, form, devi
     assert launch["OVERLAP"] == (overlap and tiles > 1)
     assert not fp8_quant.quant_launch(16, head_dim, True, centre, 4, both).get("OVERLAP")  # 32-bit inputs: in step
     out = fp8_quantize(x, 16, **kwargs)
+    plan = fp8_quant._quantize_plan(tuple(x.shape), x.stride(), x.dtype, x.device, 16, centre, (head_dim, ),
+                                    False, kwargs["empty_tile_scale"], False, both, fp8_quant.E4M3_MAX)
+    assert plan.launch.constexprs["TILES"] == tiles  # the launch that ran is the one these constants give
     for a, b in zip(out, ref):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)

@@ -74,6 +74,22 @@ def test_fixed_launch_is_the_jit_launch(device):
         assert len(launches[64].compiled) == 2  # x aligned and x[1:]
 
 
+def test_kept_plans_are_made_again_after_clear_kept():
+    """A ``kept`` plan is made once per signature and again after ``clear_kept`` (which a change to the module
+    constants it read needs)."""
+    made = []
+
+    @launch.kept
+    def plan(n):
+        made.append(n)
+        return object()
+
+    first = plan(3)
+    assert plan(3) is first and made == [3]
+    launch.clear_kept()
+    assert plan(3) is not first and made == [3, 3]
+
+
 @pytest.mark.gpu
 def test_fixed_launch_refuses_a_missing_constexpr(device):
     """A constexpr without a default must be given when the launch is made: refused there, not at a later launch."""
