@@ -100,8 +100,8 @@ def launch_kernel(kernel, grid: tuple, *args, **constexprs) -> None:
 class FixedLaunch:
     """``kernel[grid](*tensors, *scalars, **constexprs)`` with everything but the tensors fixed when it is made.
 
-    For a launcher that keeps one per shape (an ``functools.lru_cache`` keyed by the shapes, strides, dtypes and
-    flags its scalars and constexprs come from): then Triton 3.6's specialisation varies only with the tensors'
+    For a launcher that keeps one per shape (``kept``, keyed by the shapes, strides, dtypes and flags its scalars
+    and constexprs come from): then Triton 3.6's specialisation varies only with the tensors'
     dtypes and 16-byte alignment, and a call looks the compiled kernel up by those, without ``launch_kernel``'s
     keying of every argument (~6 us of host time for 26 of them on the CPU box) or its constexprs. The kernel's
     parameters: the tensors first, then the scalars, then the constexprs (by name, and launch options such as
