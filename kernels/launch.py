@@ -86,15 +86,23 @@ def launch_kernel(kernel, grid: tuple, *args, **constexprs) -> None:
         positional_constexprs = [p.name for p in kernel.params[:len(args)] if p.is_constexpr]
         if positional_constexprs:  # arg_keys does not key them by value
             raise TypeError(f"launch_kernel: pass {kernel.__name__}'s constexprs {positional_constexprs} by name")
-        compiled = kernel[grid](*args, **constexprs)
-        # the parameters after the positional ones, in signature order, as JITFunction.run passes them
-        trailing = tuple(constexprs[p.name] if p.name in constexprs else p.default for p in kernel.params[len(args):])
-        _compiled[key] = (compiled, trailing)
+        _compiled[key] = (kernel[grid](*args, **constexprs), _trailing(kernel, len(args), constexprs))
         return
     compiled, trailing = entry
-    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-    compiled.run(grid_x, grid_y, grid_z, driver.active.get_current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, *trailing)
+    _run_compiled(compiled, (*grid, 1, 1)[:3], device, *args, *trailing)
+
+
+def _trailing(kernel, start: int, constexprs: dict) -> tuple:
+    """The values of ``kernel``'s parameters from index ``start`` on (its constexprs), in signature order, as Triton
+    3.6's JITFunction.run passes them to the compiled launcher: the one given by name, else the default."""
+    return tuple(constexprs[p.name] if p.name in constexprs else p.default for p in kernel.params[start:])
+
+
+def _run_compiled(compiled, grid: tuple, device, *args) -> None:
+    """The compiled kernel's own launcher on the current stream of ``device``; ``grid`` 3 ints, ``args`` every
+    parameter's value in signature order (the launch's, then ``_trailing``'s)."""
+    compiled.run(*grid, driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *args)
 
 
 class FixedLaunch:
@@ -124,8 +132,7 @@ class FixedLaunch:
             raise TypeError(f"FixedLaunch: {kernel.__name__} takes its tensors, {len(self.scalars)} scalars, then "
                             f"constexprs by name; parameters {wrong} are not constexprs given or defaulted")
         self.tensor_count = first - len(self.scalars)
-        # the constexprs in signature order, as Triton 3.6's JITFunction.run passes them to the compiled launcher
-        self.trailing = tuple(constexprs[p.name] if p.name in constexprs else p.default for p in params[first:])
+        self.trailing = _trailing(kernel, first, constexprs)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if not DIRECT or _hooks_set():
@@ -140,8 +147,7 @@ class FixedLaunch:
                                 f"{len(tensors)}")
             self.compiled[key] = self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs)
             return
-        compiled.run(*self.grid, driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
-                     None, None, None, *tensors, *self.scalars, *self.trailing)
+        _run_compiled(compiled, self.grid, device, *tensors, *self.scalars, *self.trailing)
 
 
 _KEPT: list = []
