@@ -247,6 +247,48 @@ def _unpack_e4m3(x, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
                                      pack=4)
 
 
+# acc's registers per asm statement in ``_scale_rows_unless_one``: 64 fp32, a whole wgmma accumulator row pair of
+# head_dim 128 (a thread's share at 128; two statements at 256)
+RESCALE_PACK = gl.constexpr(64)
+
+
+@gluon.constexpr_function
+def _rows_unless_one_asm(layout, pack):
+    """PTX for ``_scale_rows_unless_one`` over ``pack`` of a thread's accumulator registers, whose (row, column)
+    offsets the linear layout's register bases give: $0..$(pack-1) the outputs, tied to the inputs $pack..; the factors
+    $(2 pack).. Tests the factors of the registers at column offset 0 (one per row the thread holds: which they are
+    follows from the bases), asks the warp whether any is not 1 (NaN included), and multiplies only then."""
+    n_bits = pack.bit_length() - 1
+    bases = [tuple(b) for b in layout.reg_bases[:n_bits]]
+    row_regs = [i for i in range(pack) if all(bases[k][1] == 0 for k in range(n_bits) if i >> k & 1)]
+    tests = [f"setp.neu.f32 p, ${2 * pack + row_regs[0]}, 0f3F800000;"]
+    tests += [f"setp.neu.or.f32 p, ${2 * pack + i}, 0f3F800000, p;" for i in row_regs[1:]]
+    muls = [f"mul.f32 ${i}, ${i}, ${2 * pack + i};" for i in range(pack)]
+    return ("{ .reg .pred p, q; " + " ".join(tests) + " vote.sync.any.pred q, p, 0xffffffff; "
+            "@!q bra.uni $$L_unit_${:uid}; " + " ".join(muls) + " $$L_unit_${:uid}: }")
+
+
+@gluon.constexpr_function
+def _rows_unless_one_constraints(pack):
+    """``_rows_unless_one_asm``'s constraints: pack fp32 outputs, each tied to its input, then pack factors."""
+    return ",".join(["=f"] * pack + [str(i) for i in range(pack)] + ["f"] * pack)
+
+
+@gluon.jit
+def _scale_rows_unless_one(acc, factor):
+    """acc (64, HEAD_DIM) times factor (64,) per row, skipped by each warp whose rows all have factor 1: the
+    online softmax's rescale of the output (alpha = 1 where a row's max did not move; the V units' ratio 1 where
+    the tile scale did not change). Multiplying by 1 is exact, so the output is bit for bit the unconditional
+    product's; a warp's 16 rows skip together (the branch is warp-uniform, ``vote.any``)."""
+    gl.static_assert(acc.shape[0] * acc.shape[1] // (32 * gl.num_warps()) % RESCALE_PACK == 0,
+                     "a thread's accumulator registers come in asm statements of RESCALE_PACK")
+    lin: gl.constexpr = gl.to_linear_layout(acc.type.layout, acc.shape)
+    return gl.inline_asm_elementwise(_rows_unless_one_asm(lin, RESCALE_PACK),
+                                     _rows_unless_one_constraints(RESCALE_PACK),
+                                     [acc, gl.broadcast(factor[:, None], acc)[0]], dtype=gl.float32, is_pure=True,
+                                     pack=RESCALE_PACK)
+
+
 @gluon.jit
 def _positive_score_scale(c):
     """``attention_fp8_fwd._positive_score_scale``: c at least 2^-126, so that a masked score (-inf) times c is not
@@ -266,8 +308,8 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem
                        VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, MASK: gl.constexpr,
                        CAUSAL: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, KV_TILE: gl.constexpr,
-                       F16_SCORES: gl.constexpr, WIDE: gl.constexpr, s_layout: gl.constexpr,
-                       o_layout: gl.constexpr, p_layout: gl.constexpr):
+                       F16_SCORES: gl.constexpr, WIDE: gl.constexpr, SKIP_UNIT_RESCALE: gl.constexpr,
+                       s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [lo, hi). Step j: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together, the softmax of
     S_j under the latter, slot j - 1 handed back, then acc rescaled for m_j and to V tile j's units. Returns
     the state after block hi - 1 (p: its P448 packed as e4m3, not yet times V; vs_prev: acc's units, those of its
@@ -310,7 +352,11 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem
         # to the units of V tile j (its scale, at least V_SCALE_SPAN of the largest so far), rescaled for m_j:
         # both factors per row, the ratio exact (powers of two)
         units = _v_units(vs, vs_max)
-        acc = acc * gl.convert_layout(alpha * (vs_prev / units), row_o)[:, None]
+        factor = gl.convert_layout(alpha * (vs_prev / units), row_o)
+        if SKIP_UNIT_RESCALE:
+            acc = _scale_rows_unless_one(acc, factor)
+        else:
+            acc = acc * factor[:, None]
         vs_prev = units
         vs_max = gl.maximum(vs_max, vs)
     return p, m_i, l_i, acc, vs_prev, vs_max
@@ -320,8 +366,9 @@ def _fp8_attend_blocks(lo, hi, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem
 def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks,
                     wg_blocks, n_free, seq_k, causal_offset, qk_scale, CAUSAL: gl.constexpr, WG: gl.constexpr,
                     CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                    KV_TILE: gl.constexpr, F16_SCORES: gl.constexpr, WIDE: gl.constexpr, s_layout: gl.constexpr,
-                    o_layout: gl.constexpr, p_layout: gl.constexpr):
+                    KV_TILE: gl.constexpr, F16_SCORES: gl.constexpr, WIDE: gl.constexpr,
+                    SKIP_UNIT_RESCALE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                    p_layout: gl.constexpr):
     """Key blocks [0, wg_blocks) of the CTA's n_blocks for one softmax warpgroup, the scores summed in float16
     (F16_SCORES; WIDE: the exponent's argument in fp32, ``_fp8_softmax_step_f16``) or fp32: returns the final (row
     max, row sum, acc, acc's units: the last V tile's, ``_v_units``). Blocks [wg_blocks, n_blocks) are left to
@@ -358,11 +405,11 @@ def _fp8_attend_all(q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_
     p, m_i, l_i, acc, vs_prev, vs_max = _fp8_attend_blocks(
         1, n_free, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem, vt_smem, ready, empty, rows, KS, VS, kv_tile0,
         q_scale, n_blocks, seq_k, causal_offset, qk_scale, False, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N,
-        KV_TILE, F16_SCORES, WIDE, s_layout, o_layout, p_layout)
+        KV_TILE, F16_SCORES, WIDE, SKIP_UNIT_RESCALE, s_layout, o_layout, p_layout)
     p, m_i, l_i, acc, vs_prev, vs_max = _fp8_attend_blocks(
         gl.maximum(n_free, 1), wg_blocks, p, m_i, l_i, acc, vs_prev, vs_max, q_smem, k_smem, vt_smem, ready, empty, rows,
         KS, VS, kv_tile0, q_scale, n_blocks, seq_k, causal_offset, qk_scale, True, CAUSAL, WG, CONSUMERS, PINGPONG,
-        STAGES, BLOCK_N, KV_TILE, F16_SCORES, WIDE, s_layout, o_layout, p_layout)
+        STAGES, BLOCK_N, KV_TILE, F16_SCORES, WIDE, SKIP_UNIT_RESCALE, s_layout, o_layout, p_layout)
     last = (wg_blocks - 1) % STAGES
     acc = warpgroup_mma(_unpack_e4m3(p, p_layout, BLOCK_N), vt_smem.index(last).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -376,7 +423,7 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, QS, KS, VS, O,
                            QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                            KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                            CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, F16_SCORES: gl.constexpr,
-                           WG: gl.constexpr):
+                           SKIP_UNIT_RESCALE: gl.constexpr, WG: gl.constexpr):
     """Softmax warpgroup WG: query rows [start_m, start_m + 64), start_m = cta_start_m + 64 * WG. QS points at
     this (batch, head)'s Q tile scales (tiles of 128 rows: a warpgroup's 64 rows lie in one)."""
     start_m = cta_start_m + WG * WG_ROWS
@@ -411,13 +458,13 @@ def _fp8_softmax_warpgroup(q_desc, k_smem, vt_smem, ready, empty, QS, KS, VS, O,
             _fp8_attend_rows(q_smem, k_smem, vt_smem, ready, empty, KS, VS, O, LSE, lse_row0, stride_om, stride_od,
                              seq_q, seq_k, start_m, rows, q_scale, ks_max, kv_tile0, n_blocks, wg_blocks, n_free,
                              causal_offset, qk_scale, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
-                             F16_SCORES, WG, s_layout, o_layout, p_layout)
+                             F16_SCORES, SKIP_UNIT_RESCALE, WG, s_layout, o_layout, p_layout)
         _skip_blocks(wg_blocks, n_blocks, ready, empty, WG, CONSUMERS, PINGPONG, STAGES)
     else:
         _fp8_attend_rows(q_smem, k_smem, vt_smem, ready, empty, KS, VS, O, LSE, lse_row0, stride_om, stride_od,
                          seq_q, seq_k, start_m, rows, q_scale, ks_max, kv_tile0, n_blocks, n_blocks, n_free,
                          causal_offset, qk_scale, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL, CONSUMERS, PINGPONG,
-                         F16_SCORES, WG, s_layout, o_layout, p_layout)
+                         F16_SCORES, SKIP_UNIT_RESCALE, WG, s_layout, o_layout, p_layout)
 
 
 @gluon.jit
@@ -425,7 +472,8 @@ def _fp8_attend_rows(q_smem, k_smem, vt_smem, ready, empty, KS, VS, O, LSE, lse_
                      seq_k, start_m, rows, q_scale, ks_max, kv_tile0, n_blocks, wg_blocks, n_free, causal_offset,
                      qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, KV_TILE: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
-                     F16_SCORES: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                     F16_SCORES: gl.constexpr, SKIP_UNIT_RESCALE: gl.constexpr, WG: gl.constexpr,
+                     s_layout: gl.constexpr, o_layout: gl.constexpr,
                      p_layout: gl.constexpr):
     """A softmax warpgroup's rows [start_m, start_m + 64) over key blocks [0, wg_blocks) of the CTA's n_blocks
     (``_fp8_attend_all``), then its output and LSE stored."""
@@ -443,17 +491,17 @@ def _fp8_attend_rows(q_smem, k_smem, vt_smem, ready, empty, KS, VS, O, LSE, lse_
             m_i, l_i, acc, vs_prev = _fp8_attend_all(
                 q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks,
                 wg_blocks, n_free, seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N,
-                KV_TILE, True, False, s_layout, o_layout, p_layout)
+                KV_TILE, True, False, SKIP_UNIT_RESCALE, s_layout, o_layout, p_layout)
         else:
             m_i, l_i, acc, vs_prev = _fp8_attend_all(
                 q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks,
                 wg_blocks, n_free, seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N,
-                KV_TILE, True, True, s_layout, o_layout, p_layout)
+                KV_TILE, True, True, SKIP_UNIT_RESCALE, s_layout, o_layout, p_layout)
     else:
         m_i, l_i, acc, vs_prev = _fp8_attend_all(
             q_smem, k_smem, vt_smem, ready, empty, KS, VS, rows, acc, m_i, l_i, q_scale, kv_tile0, n_blocks,
             wg_blocks, n_free, seq_k, causal_offset, qk_scale, CAUSAL, WG, CONSUMERS, PINGPONG, STAGES, BLOCK_N,
-            KV_TILE, False, False, s_layout, o_layout, p_layout)
+            KV_TILE, False, False, SKIP_UNIT_RESCALE, s_layout, o_layout, p_layout)
 
     # acc is in units of the last V tile (_v_units); the 448 of P448 cancels against l's
     out = acc * gl.convert_layout(vs_prev / l_i, row_o)[:, None]
@@ -491,6 +539,7 @@ def attention_fp8_fwd_hopper_kernel(
     GROUP: gl.constexpr, QK_DIM: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, F16_SCORES: gl.constexpr,
+    SKIP_UNIT_RESCALE: gl.constexpr,
 ):
     """One program: 64 * CONSUMERS query rows of one (batch, head). Grid (cdiv(seq_q, 64 * CONSUMERS), H_q, B).
 
@@ -542,11 +591,11 @@ def attention_fp8_fwd_hopper_kernel(
             (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
                                       stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
                                       causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
-                                      CONSUMERS, PINGPONG, F16_SCORES, 0)),
+                                      CONSUMERS, PINGPONG, F16_SCORES, SKIP_UNIT_RESCALE, 0)),
             (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
                                       stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
                                       causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
-                                      CONSUMERS, PINGPONG, F16_SCORES, 1)),
+                                      CONSUMERS, PINGPONG, F16_SCORES, SKIP_UNIT_RESCALE, 1)),
             (_kv_loader, (k_desc, vt_desc, k_smem, vt_smem, ready, empty, n_blocks, BLOCK_N, STAGES, True)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
@@ -555,15 +604,15 @@ def attention_fp8_fwd_hopper_kernel(
             (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
                                       stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
                                       causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
-                                      CONSUMERS, PINGPONG, F16_SCORES, 0)),
+                                      CONSUMERS, PINGPONG, F16_SCORES, SKIP_UNIT_RESCALE, 0)),
             (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
                                       stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
                                       causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
-                                      CONSUMERS, PINGPONG, F16_SCORES, 1)),
+                                      CONSUMERS, PINGPONG, F16_SCORES, SKIP_UNIT_RESCALE, 1)),
             (_fp8_softmax_warpgroup, (q_desc, k_smem, vt_smem, ready, empty, qs_base, KS, VS, o_base, LSE, lse_row0,
                                       stride_om, stride_od, seq_q, seq_k, start_m, ks_max, kv_tile0, n_blocks,
                                       causal_offset, qk_scale, QK_DIM, HEAD_DIM, BLOCK_N, KV_TILE, STAGES, CAUSAL,
-                                      CONSUMERS, PINGPONG, F16_SCORES, 2)),
+                                      CONSUMERS, PINGPONG, F16_SCORES, SKIP_UNIT_RESCALE, 2)),
             (_kv_loader, (k_desc, vt_desc, k_smem, vt_smem, ready, empty, n_blocks, BLOCK_N, STAGES, True)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 

@@ -399,7 +399,7 @@ def fp8_hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
     """The FP8 Hopper forward kernel's constexprs for ``head_dim`` (a key of FP8_HOPPER_FWD_CONFIGS) and ``causal``."""
     block_n, stages, consumers, consumer_regs, loader_regs, pingpong, f16 = FP8_HOPPER_FWD_CONFIGS[head_dim][causal]
     return dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, CONSUMER_REGS=consumer_regs,
-                LOADER_REGS=loader_regs, F16_SCORES=f16)
+                LOADER_REGS=loader_regs, F16_SCORES=f16, SKIP_UNIT_RESCALE=True)
 
 
 # Below these sequence lengths (the longer of seq_q, seq_k) the Triton forward is as fast or faster on the H200
