@@ -51,6 +51,12 @@ every wgmma of the kernel (C7514; 558 against 760 TFLOP/s on the H200, benchmark
 take half the registers of fp32 scores, so three softmax warpgroups fit at head_dim 128 (160-168 registers each,
 ``configs.FP8_HOPPER_FWD_CONFIGS``): 5-10% faster there without a mask than two.
 
+With SKIP_UNIT_RESCALE (head_dim 256, ``configs.FP8_HOPPER_FWD_CONFIGS``) the accumulator's per-step rescale, one
+multiply per output element, is skipped by each warp whose 16 rows all have factor 1 (no row max moved, the V
+units unchanged), as FlashAttention-4 skips it; the outputs are bit for bit the same. With random data the row max
+of a warp's rows settles after the first blocks, so most steps of a long row skip: 1-2% faster at head_dim 256 on
+the H200, no faster at 128 (benchmarks/NOTES.md, forty-third session).
+
 Per key block a warpgroup's work splits as in ``attention_fwd_hopper``: stage 1 (off-band) without masks,
 stage 2 (on-band: the diagonal and the ragged tail of seq_k) masked. With three warpgroups (192-row CTAs) each
 stops at the last block its own rows see and hands the CTA's later blocks back unread (``_skip_blocks``); a

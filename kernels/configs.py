@@ -349,7 +349,7 @@ def hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
 
 # The FP8 Hopper forward of attention_fp8_fwd_hopper.py, per head_dim (Q / K rows after the rotation's padding,
 # equal to V's) and causal: (BLOCK_N, STAGES, softmax warpgroups, their registers, loader registers, ping-pong,
-# scores summed in float16). BLOCK_N divides the K/V quantisation tile (FP8_FWD's BLOCK_N); each warpgroup's 64 rows
+# scores summed in float16, output rescale skipped where its factors are 1). BLOCK_N divides the K/V quantisation tile (FP8_FWD's BLOCK_N); each warpgroup's 64 rows
 # lie in one 128-row Q scale tile. Shared memory STAGES * 2 * BLOCK_N * D bytes of K and V^T plus 64 * D per
 # warpgroup of Q: 120 KB at D = 128, 160 KB at 256. Registers: warpgroups * 128 threads * theirs plus 32 * the
 # loader's, within the SM's 64K. Fixed, not swept.
@@ -364,9 +364,14 @@ def hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
 #   844-845 -> 864-866 causal (160; 826-835 at 168). With ping-pong: 796-800, 608-609, 882, 819-827 (160). ptxas
 #   spills 92 bytes (168, no mask) and 40 (160, causal), none in the unmasked float16 loop (with the skipping of a
 #   warpgroup's unseen key blocks, thirtieth session; 76 and 88 before).
+# - The output's rescale skipped by each warp whose rows all have factor 1 (SKIP_UNIT_RESCALE, bit-identical
+#   outputs), at head_dim 256 only: kernel alone on the H200 (benchmarks/NOTES.md, forty-third session; (4, 8, 4096)
+#   and (1, 8, 16384), medians of three rounds, us) 631 -> 621 at 4k, 349 -> 347 causal, 2285 -> 2234 at 16k, 1178
+#   -> 1164 causal; at head_dim 128 ((4, 16, 4096), (1, 16, 16384)) 670 -> 670, 387 -> 400 causal, 2355 -> 2339,
+#   1235 -> 1272 causal: its 64 multiplies a step are not what bounds that kernel.
 FP8_HOPPER_FWD_CONFIGS = {
-    128: {False: (128, 3, 3, 168, 24, False, True), True: (128, 3, 3, 160, 24, False, True)},
-    256: {False: (128, 2, 2, 240, 24, True, False), True: (128, 2, 2, 240, 24, True, False)},
+    128: {False: (128, 3, 3, 168, 24, False, True, False), True: (128, 3, 3, 160, 24, False, True, False)},
+    256: {False: (128, 2, 2, 240, 24, True, False, True), True: (128, 2, 2, 240, 24, True, False, True)},
 }
 # The magnitude Q's and K's tiles are quantised to where the FP8 Hopper forward sums their scores in float16
 # (``fp8_quantize``'s amax_to): 16 * 16 per product, 32768 over head_dim 128, below float16's 65504.
@@ -397,9 +402,10 @@ FP8_HOPPER_FWD_MIN_SEQ = {(128, False): 1024, (128, True): 2048, (256, False): 5
 
 def fp8_hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
     """The FP8 Hopper forward kernel's constexprs for ``head_dim`` (a key of FP8_HOPPER_FWD_CONFIGS) and ``causal``."""
-    block_n, stages, consumers, consumer_regs, loader_regs, pingpong, f16 = FP8_HOPPER_FWD_CONFIGS[head_dim][causal]
+    (block_n, stages, consumers, consumer_regs, loader_regs, pingpong, f16,
+     skip_unit_rescale) = FP8_HOPPER_FWD_CONFIGS[head_dim][causal]
     return dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, CONSUMER_REGS=consumer_regs,
-                LOADER_REGS=loader_regs, F16_SCORES=f16, SKIP_UNIT_RESCALE=True)
+                LOADER_REGS=loader_regs, F16_SCORES=f16, SKIP_UNIT_RESCALE=skip_unit_rescale)
 
 
 # Below these sequence lengths (the longer of seq_q, seq_k) the Triton forward is as fast or faster on the H200

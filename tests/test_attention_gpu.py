@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashtrain import flash_attention
 from flashtrain.kernels import configs
 from flashtrain.kernels.attention_fp8_fwd import fp8_scores_in_f16
+from flashtrain.kernels.launch import clear_kept
 from flashtrain.reference import attention_ref
 from flashtrain.testing import TOLERANCE, assert_close, rel_error
 
@@ -588,6 +589,36 @@ def test_fp8_hopper_forward_v_tiles_of_scales_far_apart(tiles, head_dim, causal,
     factors = torch.tensor(tiles, device="cuda", dtype=torch.float64).repeat_interleave(128)[:, None]
     v = (randn(1, 2, 512, head_dim, dtype=torch.float64) * factors).bfloat16()
     assert_fp8_hopper_forward_as_close_as_triton(q, k, v, causal, monkeypatch)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [128, 256], ids=str)
+def test_fp8_hopper_forward_skipped_rescale_is_exact(head_dim, causal, monkeypatch):
+    """SKIP_UNIT_RESCALE (each warp skips the output's rescale where its rows' factors are all 1) against the
+    unconditional rescale, both head_dims whatever the config picks: the same output and LSE bits, on keys that grow
+    along the sequence (row maxima that keep moving) and V tiles of other scales (units that change), GQA and a
+    ragged tail."""
+    hopper_module = importlib.import_module("flashtrain.kernels.attention_fp8_fwd_hopper")
+    torch.manual_seed(23)
+    q = randn(1, 4, 1000, head_dim, dtype=torch.bfloat16)
+    growth = torch.linspace(0.5, 3.0, 1000, device="cuda", dtype=torch.float64)[:, None]
+    k = (randn(1, 2, 1000, head_dim, dtype=torch.float64) * growth).bfloat16()
+    tile_factors = torch.tensor([1, 4, 0.25, 1, 1, 16, 1, 1], device="cuda", dtype=torch.float64)
+    v = (randn(1, 2, 1000, head_dim, dtype=torch.float64) * tile_factors.repeat_interleave(128)[:1000, None]).bfloat16()
+    real_meta = hopper_module.fp8_hopper_fwd_meta
+    results = {}
+    for skip in (False, True):
+        monkeypatch.setattr(hopper_module, "fp8_hopper_fwd_meta",
+                            lambda d, c, skip=skip: {**real_meta(d, c), "SKIP_UNIT_RESCALE": skip})
+        clear_kept()
+        with configs.hopper_forward("always"):
+            results[skip] = flash_attention(q, k, v, causal=causal, fp8="forward", return_lse=True)
+    clear_kept()
+    (out, lse), (skipped_out, skipped_lse) = results[False], results[True]
+    assert torch.isfinite(out).all()
+    assert torch.equal(out.view(torch.int16), skipped_out.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), skipped_lse.view(torch.int32))
 
 
 @needs_hopper
