@@ -54,8 +54,9 @@ take half the registers of fp32 scores, so three softmax warpgroups fit at head_
 With SKIP_UNIT_RESCALE (head_dim 256, ``configs.FP8_HOPPER_FWD_CONFIGS``) the accumulator's per-step rescale, one
 multiply per output element, is skipped by each warp whose 16 rows all have factor 1 (no row max moved, the V
 units unchanged), as FlashAttention-4 skips it; the outputs are bit for bit the same. With random data the row max
-of a warp's rows settles after the first blocks, so most steps of a long row skip: 1-2% faster at head_dim 256 on
-the H200, no faster at 128 (benchmarks/NOTES.md, forty-third session).
+of a warp's rows settles after the first blocks, so most steps of a long row skip: 0.6-2.3% faster at head_dim 256
+on the H200 (kernel alone), no faster at 128 and slower there with a causal mask (benchmarks/NOTES.md, forty-third
+session).
 
 Per key block a warpgroup's work splits as in ``attention_fwd_hopper``: stage 1 (off-band) without masks,
 stage 2 (on-band: the diagonal and the ragged tail of seq_k) masked. With three warpgroups (192-row CTAs) each
@@ -253,8 +254,8 @@ def _unpack_e4m3(x, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
                                      pack=4)
 
 
-# acc's registers per asm statement in ``_scale_rows_unless_one``: 64 fp32, a whole wgmma accumulator row pair of
-# head_dim 128 (a thread's share at 128; two statements at 256)
+# acc's registers per asm statement in ``_scale_rows_unless_one``: 64 fp32, a thread's whole accumulator at
+# head_dim 128 (two rows of 32 columns), half of it at 256 (two statements, each with its own vote)
 RESCALE_PACK = gl.constexpr(64)
 
 
@@ -262,8 +263,9 @@ RESCALE_PACK = gl.constexpr(64)
 def _rows_unless_one_asm(layout, pack):
     """PTX for ``_scale_rows_unless_one`` over ``pack`` of a thread's accumulator registers, whose (row, column)
     offsets the linear layout's register bases give: $0..$(pack-1) the outputs, tied to the inputs $pack..; the factors
-    $(2 pack).. Tests the factors of the registers at column offset 0 (one per row the thread holds: which they are
-    follows from the bases), asks the warp whether any is not 1 (NaN included), and multiplies only then."""
+    $(2 pack).. Tests the factors of the registers in the pack's first column (one per row the thread holds: the
+    registers whose bases move only along rows), asks the warp whether any is not 1 (NaN included), and multiplies
+    only then."""
     n_bits = pack.bit_length() - 1
     bases = [tuple(b) for b in layout.reg_bases[:n_bits]]
     row_regs = [i for i in range(pack) if all(bases[k][1] == 0 for k in range(n_bits) if i >> k & 1)]
