@@ -350,9 +350,9 @@ def hopper_fwd_meta(head_dim: int, causal: bool) -> dict:
 # The FP8 Hopper forward of attention_fp8_fwd_hopper.py, per head_dim (Q / K rows after the rotation's padding,
 # equal to V's) and causal: (BLOCK_N, STAGES, softmax warpgroups, their registers, loader registers, ping-pong,
 # scores summed in float16, output rescale skipped where its factors are 1). BLOCK_N divides the K/V quantisation
-# tile (FP8_FWD's BLOCK_N); each warpgroup's 64 rows lie in one 128-row Q scale tile. Shared memory STAGES * 2 * BLOCK_N * D bytes of K and V^T plus 64 * D per
-# warpgroup of Q: 120 KB at D = 128, 160 KB at 256. Registers: warpgroups * 128 threads * theirs plus 32 * the
-# loader's, within the SM's 64K. Fixed, not swept.
+# tile (FP8_FWD's BLOCK_N); each warpgroup's 64 rows lie in one 128-row Q scale tile. Shared memory STAGES * 2 *
+# BLOCK_N * D bytes of K and V^T plus 64 * D per warpgroup of Q: 120 KB at D = 128, 160 KB at 256. Registers:
+# warpgroups * 128 threads * theirs plus 32 * the loader's, within the SM's 64K. Fixed, not swept.
 # - Scores in float16 (F16_SCORES, head_dim 128 only, the same for both masks: Q and K are quantised to
 #   FP8_SCORES_AMAX, so that |Q8 K8^T| <= 128 * 16 * 16 = 32768 fits float16): measured on the H200
 #   (benchmarks/NOTES.md, twentieth session; kernel alone, (4, 16, 4096, 128) / (1, 16, 16384, 128), TFLOP/s)
