@@ -3,6 +3,8 @@ simulation of the same FP8 scheme (flashtrain.reference.fp8_attention_ref), on C
 (FP8 dots run there) and on CUDA when present."""
 
 import math
+import re
+import types
 
 import pytest
 import torch
@@ -468,6 +470,23 @@ def test_fp8_hopper_launcher_checks_the_q_tiles():
     with pytest.raises(ValueError, match=r"q_scales: expected one scale per tile of 128 query rows, 3 for "
                                          r"seq_q=300; got shape \(1, 2, 5\)"):
         attention_fp8_fwd_hopper(q8, q_scales_of_64_rows, q8, k_scales, vt8, k_scales, out, lse, True, 0.1, 128)
+
+
+def test_fp8_hopper_rescale_skip_tests_one_register_per_row():
+    """The skipped rescale's asm (``_rows_unless_one_asm``, written on the host) on the wgmma accumulator's register
+    bases (register bit 0: the next column, bit 1: row + 8, bits 2-5: columns 8, 16, 32, 64): it tests the factors
+    of registers 0 and 2 (a thread's two rows) and no other, multiplies all 64 registers in place, behind one
+    warp-uniform branch; its constraints tie each output to its input. (Its effect, bit for bit, is a GPU test.)"""
+    from flashtrain.kernels.attention_fp8_fwd_hopper import _rows_unless_one_asm, _rows_unless_one_constraints
+
+    layout = types.SimpleNamespace(reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]])
+    asm = _rows_unless_one_asm(layout, 64)
+    assert re.findall(r"setp\.neu(?:\.or)?\.f32 p, \$(\d+)", asm) == ["128", "130"]
+    assert asm.count("mul.f32") == 64 and "mul.f32 $63, $63, $191;" in asm
+    assert asm.count("vote.sync.any.pred") == 1 and asm.count("bra.uni") == 1
+    constraints = _rows_unless_one_constraints(64).split(",")
+    assert constraints[:64] == ["=f"] * 64 and constraints[64:128] == [str(i) for i in range(64)]
+    assert constraints[128:] == ["f"] * 64
 
 
 @pytest.mark.usefixtures("poison_allocations")
