@@ -1,9 +1,18 @@
-# Two entry points for a fresh clone:  `make train` (the main job) and `make test` (the test suite).
-# Both create .venv/ on first use. Override TORCH to pick another build, e.g. TORCH='torch==2.11.0'.
+# Two entry points for a fresh clone: `make train` (the main job) and `make test` (the test suite).
+# Both create .venv/ on first use and install one tested set into it: torch 2.11.0 with triton 3.6.0, the pair every
+# GPU figure in the README comes from (torch's CUDA 13.0 build; it runs on CPU-only machines too, through Triton's
+# interpreter). Another pair: make test TORCH='torch==2.13.0' TRITON='triton==3.6.0' (tested on CPU only).
+# An offline host with torch and triton installed, the other packages' wheels in .whl/:
+#   pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+#   make test VENV_FLAGS=--system-site-packages PIP_FLAGS='--no-index --no-deps --no-build-isolation'
 PYTHON ?= python3
-TORCH ?= torch==2.13.0
-# triton 3.6 is what the GPU box runs; pinned so CPU (interpreter) runs test the same kernel compiler.
+TORCH ?= torch==2.11.0
 TRITON ?= triton==3.6.0
+EXTRAS ?= train,test,transformers
+VENV_FLAGS ?=
+PIP_FLAGS ?=
+# pytest workers: the CPU suite is sized for 2 cores; the gpu tests take ~25 GiB of GPU memory a worker
+JOBS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 READY := $(VENV)/.ready
@@ -11,10 +20,9 @@ READY := $(VENV)/.ready
 .PHONY: train demo test test-gpu bench clean
 
 $(READY): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)" "$(TRITON)"
-	$(BIN)/python -m pip install -q -e ".[test,transformers]"
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(BIN)/python -m pip install -q $(PIP_FLAGS) "$(TORCH)" "$(TRITON)"
+	$(BIN)/python -m pip install -q $(PIP_FLAGS) -e ".[$(EXTRAS)]"
 	touch $(READY)
 
 # ARGS: Hydra overrides, e.g. make train ARGS="attn=flash seq_len=16k"
@@ -24,14 +32,15 @@ train: $(READY)
 demo: $(READY)
 	$(BIN)/python scripts/demo.py
 
+# PYTHONSAFEPATH: `python -m` must not put the repo root on sys.path (its kernels/ is only flashtrain.kernels)
 test: $(READY)
-	$(BIN)/pytest -q
+	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q -n $(JOBS)
 
 test-gpu: $(READY)
-	$(BIN)/pytest -q -m gpu
+	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q -m gpu -n $(JOBS)
 
 bench: $(READY)
-	$(BIN)/python scripts/bench_attention.py
+	$(BIN)/python scripts/bench/attention.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

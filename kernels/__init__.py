@@ -1,19 +1,21 @@
 """Triton kernels of flashtrain, installed as ``flashtrain.kernels``.
 
-One file per operator: ``attention_fwd`` (forward; ``attention_fwd_hopper`` holds its warp-specialised
-sm_90 variant in Triton's Gluon dialect), ``attention_bwd`` (backward; ``attention_bwd_hopper`` holds its
-five-matmul sm_90 variant, also Gluon), ``attention_fp8_fwd`` and ``attention_fp8_bwd`` (the FP8 path;
-``attention_fp8_fwd_hopper`` holds the FP8 forward's sm_90 Gluon variant), ``fp8_quant`` (per-tile e4m3
-quantisation), ``hadamard`` (the rotation for incoherent processing), ``centring`` (a mean subtracted per
-(batch, head): dK in the FP8 backwards), ``dropout_mask`` (the dropout mask
-materialised, for tests) and ``configs`` (launch configurations). Each ``<op>_kernel`` is a ``triton.jit``
-kernel; each ``<op>`` function next to it is the launcher that takes torch tensors. The plain PyTorch
-references live in ``flashtrain.reference``.
+Shared pieces at the top, one folder per kernel family:
+
+* ``common``: host integer math, the ``@triton.jit`` helpers every kernel loads rows and scales scores with.
+* ``masking``: which key blocks a query block visits (causal ranges, tile masks) and the causal launch order.
+* ``tuning``: the autotuner's key, timing and picks; forced configs (tests).
+* ``launch``: launches without Triton's per-call binding; device helpers.
+* ``attention/``: the 16-bit Triton forward (``fwd``) and backward (``bwd``), their tiles, the dropout mask.
+* ``hopper/``: the sm_90 Gluon kernels (16-bit forward, backward at head_dim 64, FP8 forward) and their tiles.
+* ``fp8/``: per-tile e4m3 quantisation, the Hadamard rotation, centring, the FP8 forward and backward, their tiles.
+
+Each ``*_kernel`` is a jitted kernel; the function beside it that takes torch tensors is its launcher. Launchers run
+the kernel they are; which launcher runs for a call is decided in ``flashtrain.ops.dispatch``. The plain PyTorch
+references live in ``flashtrain.ops.reference`` and import nothing from here.
 """
 
-from .attention_bwd import attention_bwd
-from .attention_fwd import attention_fwd, lse_dtype
-from .configs import INTERPRET
-from .dropout_mask import dropout_keep_mask
+from .attention.dropout_mask import dropout_keep_mask
+from .launch import INTERPRET
 
-__all__ = ["attention_fwd", "attention_bwd", "lse_dtype", "dropout_keep_mask", "INTERPRET"]
+__all__ = ["dropout_keep_mask", "INTERPRET"]

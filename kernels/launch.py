@@ -1,19 +1,16 @@
-"""Kernel launches that skip Triton's per-call argument binding once a specialisation has been compiled.
+"""Kernel launches that skip Triton's per-call argument binding once a specialisation has been compiled, and the
+device helpers every launcher uses.
 
 ``kernel[grid](*args, **constexprs)`` binds and specialises every argument on every call before the compiled
-kernel's launcher runs. On the H200 box's host that took 37 us a launch of ``fp8_quantize_kernel`` (23 arguments,
-15 constexprs and options), of which the compiled kernel's own launcher took 10; the FP8 forward makes four such
-launches a call (benchmarks/NOTES.md, twenty-second session). ``launch_kernel`` keeps, per kernel and per key of its
-arguments, the compiled kernel the first JIT launch returned, and later calls its launcher directly. Measured on
-the H200 box (``scripts/bench_host_time.py``, both paths in alternating rounds of one process; per-case medians of
-the paired differences, benchmarks/results/host_time_direct_launch_h200_2026-11-30_run2.csv): 9-14 us less host
-time per bf16 forward (one launch), 46-99 us per FP8 forward (four), 155-237 us per bf16 forward + backward and
-188-316 us per ``fp8="full"`` forward + backward.
+kernel's launcher runs: 37 us a launch of ``fp8_quantize_kernel`` (23 arguments, 15 constexprs) on an H200 host,
+of which the compiled launcher took 10. ``launch_kernel`` keeps, per kernel and per key of its arguments, the
+compiled kernel the first JIT launch returned, and later calls its launcher directly: 9-14 us less host time per
+bf16 forward, 155-237 us per bf16 forward + backward (``scripts/bench/host_time.py``, both paths in alternating
+rounds of one process).
 
 ``FixedLaunch`` goes further for launchers that keep a launch per shape (``kept``): its scalar arguments and
 constexprs are fixed when it is made, so a call passes only the tensors and looks the compiled kernel up by their
-dtypes and alignments (the FP8 forward's quantisation, mean, rotation and Hopper launches: benchmarks/NOTES.md,
-forty-first session).
+dtypes and alignments (the FP8 forward's quantisation, mean, rotation and Hopper launches).
 
 The key holds everything Triton 3.6 specialises a kernel on, or finer (``arg_keys``), so two calls with one key
 compile to the same kernel. Only Triton 3.6's launcher contract has been read (``JITFunction.run``,
@@ -23,6 +20,7 @@ read the hook's metadata) take the JIT path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -46,12 +44,57 @@ if DIRECT:
     from triton.runtime.driver import driver
 
 
+def launch_device(t: torch.Tensor):
+    """A context in which kernels launch on ``t``'s GPU. Triton launches on the current CUDA device, whatever
+    device the tensors are on: with cuda:0 current and tensors on cuda:1, the Hopper kernels' launches raise
+    ("Pointer argument ... cannot be accessed from Triton") and others may run on cuda:0's stream, out of order
+    with cuda:1's work. A no-op for CPU tensors and when that device is already current."""
+    return torch.cuda.device(t.device) if _on_another_gpu(t) else contextlib.nullcontext()
+
+
+def _on_another_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on a CUDA device other than the current one."""
+    return t.is_cuda and t.device.index != torch.cuda.current_device()
+
+
+def on_input_device(launcher):
+    """Decorator for a launcher: run it in ``launch_device`` of its first tensor argument."""
+    @functools.wraps(launcher)
+    def launch_on_input_device(*args, **kwargs):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or not _on_another_gpu(first):  # no context manager on the common path (host time)
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(first.device):
+            return launcher(*args, **kwargs)
+    return launch_on_input_device
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, asked once per device in eager calls (the query costs a few
+    microseconds of host time). Under torch.compile it is asked directly: Dynamo folds it into a constant, and it
+    warns about a ``functools.cache`` wrapper it traces through."""
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_capability(device)
+    return _cached_capability(device)
+
+
+@functools.cache
+def _cached_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors, asked once per device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def arg_keys(args: tuple) -> tuple:
     """Per launch argument, what Triton's specialisation of it depends on, or finer. Tensors: the dtype and whether
     the address is 16-byte aligned; integers: whether one, whether a multiple of 16, and the 32/64-bit range (so
     sequence lengths, strides and seeds that change do not add keys); floats: the type only (Triton does not
     specialise non-constexpr floats); anything else by type and value. One loop, not a function per argument:
-    5.7 instead of 8.6 us for fp8_quantize_kernel's 23 arguments and 15 constexprs on the CPU box."""
+    5.7 instead of 8.6 us for fp8_quantize_kernel's 23 arguments and 15 constexprs."""
     keys = []
     for arg in args:
         kind = type(arg)
@@ -111,7 +154,7 @@ class FixedLaunch:
     For a launcher that keeps one per shape (``kept``, keyed by the shapes, strides, dtypes and flags its scalars
     and constexprs come from): then Triton 3.6's specialisation varies only with the tensors'
     dtypes and 16-byte alignment, and a call looks the compiled kernel up by those, without ``launch_kernel``'s
-    keying of every argument (~6 us of host time for 26 of them on the CPU box) or its constexprs. The kernel's
+    keying of every argument (~6 us of host time for 26 of them) or its constexprs. The kernel's
     parameters: the tensors first, then the scalars, then the constexprs (by name, and launch options such as
     ``num_warps``). Takes the JIT path where ``launch_kernel`` does (other Triton versions, the interpreter, a
     launch hook set)."""

@@ -19,8 +19,9 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU runs the interpreter
 
-from flashtrain import attention_backends, flash_attention  # noqa: E402
-from flashtrain.reference import attention_ref  # noqa: E402
+from flashtrain import flash_attention
+from flashtrain.trainer import backends as attention_backends  # noqa: E402
+from flashtrain.ops.reference import attention_ref  # noqa: E402
 from flashtrain.testing import rel_error  # noqa: E402
 
 

@@ -16,7 +16,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 # torch.compile's on-disk caches key a graph on the custom ops it calls, not on their autograd formulas: after
 # a change to a backward (say, which tensors the FP8 forward saves), a cached compiled graph still calls the
-# old one. Each test session compiles into a fresh directory instead (CI starts empty anyway).
+# old one. Each pytest run compiles into a fresh directory instead (CI starts empty anyway).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="flashtrain-tests-inductor-"))
 
 import pytest  # noqa: E402

@@ -33,7 +33,7 @@ import transformers.modeling_flash_attention_utils as fa_utils
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from ..attention import flash_attention
+from flashtrain.ops.attention import flash_attention
 
 NAME = "flashtrain"
 

@@ -1,0 +1,137 @@
+"""A decoder-only GPT for long-context training: rotary positions, pre-norm blocks, tied embeddings.
+
+The attention inner product is a pluggable function ``attn(q, k, v) -> out`` on (B, nh, T, hs) tensors,
+causal: ``flashtrain.trainer.backends`` holds the choices (flash, sdpa, eager). Every choice computes
+the same function, so weights and losses agree up to kernel rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # byte-level by default
+    seq_len: int = 1024  # context length trained at (for FLOP counts; rotary positions work at any length)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    mlp_ratio: int = 4
+    rope_base: float = 10000.0
+    bias: bool = False
+    activation_checkpointing: bool = False
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary "
+                             "position embeddings")
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device, dtype):
+    """cos, sin tables (T, hs/2) for rotary position embeddings."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :hs/2], x[..., hs/2:]) of x (B, T, nh, hs) by the position angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs/2): broadcast over heads
+    # back to x's dtype: under autocast the tables are fp32 while q, k come out of a bf16 linear layer
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, attn: Callable):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn = attn
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)  # each (B, T, nh, hs)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # (B, nh, T, hs) views: flash_attention takes them as they are, no copy
+        y = self.attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, T, hs)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.up = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd, bias=config.bias)
+        self.down = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig, attn: Callable):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, attn)
+        self.norm2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, attn: Callable):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, attn) for _ in range(config.n_layer))
+        self.norm_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith(("proj.weight", "down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        """Parameters, counting the tied embedding once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean cross-entropy (or None)."""
+        B, T = idx.shape
+        x = self.wte(idx)  # (B, T, C)
+        cos, sin = rotary_cos_sin(T, self.config.n_embd // self.config.n_head, self.config.rope_base,
+                                  idx.device, x.dtype)
+        for block in self.blocks:
+            if self.config.activation_checkpointing and self.training:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        logits = self.lm_head(self.norm_f(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss

@@ -1,0 +1,61 @@
+"""LightningModule around the GPT: next-token loss, AdamW with linear warmup and cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+
+from . import backends
+from .model import GPT, GPTConfig
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup from 0 to 1, then cosine from 1 down to min_lr_ratio at max_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class GPTModule(L.LightningModule):
+    """``model``: GPTConfig fields; ``attn``: a name from ``attention_backends`` and ``attn_options`` its options
+    (e.g. {"fp8": "forward"}); ``optim``: AdamW settings (lr, betas, weight_decay, warmup_steps,
+    min_lr_ratio); ``compile``: wrap the GPT in torch.compile."""
+
+    def __init__(self, model: dict, attn: str, optim: dict, compile: bool = False, attn_options: dict | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(GPTConfig(**model), backends.get(attn, **(attn_options or {})))
+        self.forward_fn = torch.compile(self.model) if compile else self.model
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 x parameters (weights, forward + backward) plus causal attention,
+        12 x layers x heads x head_dim x seq halved for the causal mask (only the lower triangle is computed)."""
+        c = self.model.config
+        return 6 * self.model.num_params() + 0.5 * 12 * c.n_layer * c.n_embd * c.seq_len
+
+    def forward(self, idx, targets=None):
+        return self.forward_fn(idx, targets)
+
+    def training_step(self, batch, batch_idx):
+        _, loss = self(batch[:, :-1], batch[:, 1:])  # (B, T) inputs, shifted targets
+        self.log("train/loss", loss, prog_bar=True, on_step=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        _, loss = self(batch[:, :-1], batch[:, 1:])
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        o = self.hparams.optim
+        decay = [p for p in self.parameters() if p.dim() >= 2]  # matrices and embeddings
+        no_decay = [p for p in self.parameters() if p.dim() < 2]  # norms and biases
+        groups = [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+        # foreach, not fused: Lightning refuses gradient clipping with a fused optimizer under AMP
+        optimizer = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["betas"]), foreach=True)
+        max_steps = max(1, self.trainer.max_steps)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, o["warmup_steps"], max_steps, o["min_lr_ratio"]))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,366 @@
+"""FlashAttention backward: scores recomputed from the saved LSE, no (seq_q, seq_k) storage.
+
+With S = scale * Q K^T, P = exp(S - lse), O = P V and upstream gradients dO (and dlse, the gradient
+of the natural-log LSE, if the caller used it):
+    dV = P^T dO
+    dP = dO V^T
+    dS = P * (dP - delta),   delta = rowsum(dO * O) - dlse      (preprocess kernel)
+    dQ = scale * dS K,       dK = scale * dS^T Q
+
+Two main kernels, no atomics, so results are bitwise deterministic:
+  * ``attention_bwd_dkdv_kernel``: one program per (key block, KV head); it loops over the query heads of
+    its GQA group and over query blocks, so dK/dV of a KV head are summed over the group in registers.
+  * ``attention_bwd_dq_kernel``: one program per (query block, query head); loops over key blocks.
+Causal blocks above the diagonal are skipped; only blocks that cross it pay for the elementwise mask.
+(On an sm_90 GPU, long head_dim-64 sequences may run ``hopper/bwd.py`` instead, whose dQ sums with atomics:
+``flashtrain.ops.dispatch`` decides.)
+
+The key bias (key padding) is added to the recomputed scores as in the forward; rows whose LSE is -inf
+(no visible key) read it as +inf, so their P is exactly 0 instead of exp2(-inf + inf) = NaN.
+Attention dropout (see ``attention_fwd``) regenerates the forward's keep mask Z from the same Philox
+counters; with r = 1 / (1 - p) the products become
+    dV = (Z * P * r)^T dO,    dP = Z * r * (dO V^T),    dS = P * (dP - delta)
+and delta = rowsum(dO * O) still equals rowsum(P * dP), since O is the dropped-out product.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import tuning
+from ..common import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale, block_d, cdiv, precision_for,
+                      split_scale)
+from ..launch import INTERPRET, launch_kernel, on_input_device
+from ..masking import (_dkdv_query_range, _key_block_coords, _query_block_coords, _query_block_key_range, _visible,
+                       causal_sections)
+from . import tiles
+from .fwd import dropout_args, key_bias_arg
+
+
+@triton.jit
+def attention_bwd_preprocess_kernel(
+    O, DO, DLSE, DELTA, DQ_ACC,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    seq_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+    ZERO_DQ_ACC: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - dlse, per query row. Grid (cdiv(seq_q, BLOCK_M), H_q, B).
+
+    DLSE and DELTA: (B, H_q, seq_q) contiguous. Accumulates in fp32 (fp64 for fp64 inputs). ZERO_DQ_ACC: also
+    zero this program's block of DQ_ACC, the Hopper backward's fp32 dQ buffer (B, H_q, cdiv(seq_q, 64) * 64, D),
+    contiguous, BLOCK_M = 64: one pass over the rows instead of a separate fill kernel.
+    """
+    off_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc_dtype = DELTA.dtype.element_ty
+    o = _load_rows(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+                   + off_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                   off_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                    + off_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    off_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(acc_dtype) * do.to(acc_dtype), 1)
+    row = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + off_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row, mask=off_m < seq_q, other=0.0).to(acc_dtype)
+    tl.store(DELTA + row, delta, mask=off_m < seq_q)
+    if ZERO_DQ_ACC:
+        tl.static_assert(BLOCK_M == 64, "the dQ buffer comes in blocks of 64 rows")
+        block = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * tl.num_programs(0) + tl.program_id(0)
+        r = tl.arange(0, BLOCK_M)[:, None]
+        tl.store(DQ_ACC + block * (BLOCK_M * HEAD_DIM) + r * HEAD_DIM + offs_d[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=offs_d[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_n,
+                              stride_qm, stride_dom, lo, hi, offs_m, offs_n, offs_d,
+                              seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                              seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                              MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                              HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr):
+    """Accumulate one query head's query blocks [lo, hi) into dK, dV of the resident key block.
+
+    Works on transposed tiles, (BLOCK_N, BLOCK_M), so K and V stay the left operands. Query rows past
+    seq_q load as zeros with lse = +inf, so their P is exactly 0 and they add nothing; MASKED adds the
+    causal mask for the blocks that cross the diagonal. EVEN_M (seq_q a multiple of BLOCK_M: no row past
+    seq_q) drops the row masks of the loads: ~20% fewer instructions per loop step, the backward 5-7% faster at
+    head_dim 64 and 16k tokens (docs/performance-notes.md).
+    """
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q = _load_rows(q_base + rows[:, None] * stride_qm, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M)
+        do = _load_rows(do_base + rows[:, None] * stride_dom, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M)
+        if EVEN_M:
+            lse2 = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        else:
+            lse2 = tl.load(lse_base + rows, mask=rows < seq_q, other=float("inf"))
+            delta = tl.load(delta_base + rows, mask=rows < seq_q, other=0.0)
+        # P^T, recomputed: (BLOCK_N, BLOCK_M)
+        qk_t = _scale(tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=dk.dtype), qk_scale, qk_scale_lo)
+        if HAS_KEY_BIAS:
+            qk_t += bias_n[:, None]
+            lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
+        p_t = tl.exp2(qk_t - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=dk.dtype)
+        if DROPOUT:
+            keep_t = _dropout_keep(seed, rng_base, rows[None, :], offs_n[:, None], seq_k, dropout_p)
+            dv = tl.dot(tl.where(keep_t, _scale(p_t, keep_scale, keep_scale_lo), 0.0).to(do.dtype), do, dv,
+                        input_precision=PRECISION, out_dtype=dv.dtype)
+            dp_t = tl.where(keep_t, _scale(dp_t, keep_scale, keep_scale_lo), 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION, out_dtype=dv.dtype)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION, out_dtype=dk.dtype)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seed", "sections", "WAVE_BUCKET"])
+def attention_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, KB,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_kbb,
+    seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
+    seed, dropout_p, keep_scale, keep_scale_lo, sections,
+    SEQ_BUCKET, WAVE_BUCKET,  # autotune keys only
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    EVEN_M: tl.constexpr,  # seq_q % BLOCK_M == 0 (the launcher tests seq_q % tiles.EVEN_M_MULTIPLE)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_N keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK_N), H_kv, B).
+
+    Q, DO: (B, H_q, seq_q, D); K, V, DK, DV: (B, H_kv, seq_k, D); LSE (log2 domain), DELTA: (B, H_q, seq_q)
+    contiguous; KB, seed, dropout_p as in the forward. Scales come as ``split_scale`` pairs. sections: the causal
+    launch sections of the (batch, KV head) pairs (``masking.causal_sections``).
+    """
+    pid_n, off_hk, off_b = _key_block_coords(sections, CAUSAL)  # causal: heaviest (first) key blocks first
+    heads_q = tl.num_programs(1) * GROUP
+    acc_dtype = DELTA.dtype.element_ty
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k = _load_rows(K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+                   + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+                   + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
+    bias_n = tl.zeros([BLOCK_N], dtype=acc_dtype)
+    if HAS_KEY_BIAS:
+        bias_n = _key_bias(KB + off_b.to(tl.int64) * stride_kbb, offs_n, seq_k)
+
+    causal_offset = seq_k - seq_q
+    lo, mid, end = _dkdv_query_range(start_n, seq_q, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+
+    for g in range(GROUP):  # the query heads sharing this KV head: GQA sum in registers
+        off_h = off_hk * GROUP + g
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+        do_base = (DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                   + offs_d[None, :] * stride_dod)
+        row_base = (off_b.to(tl.int64) * heads_q + off_h) * seq_q  # also the Philox base of this head
+        # stage 1: query blocks crossing the diagonal, masked
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
+                                           bias_n, stride_qm, stride_dom, lo, mid, offs_m, offs_n, offs_d,
+                                           seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                           seed, row_base, dropout_p, keep_scale, keep_scale_lo,
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_BIAS, DROPOUT, EVEN_M)
+        # stage 2: query blocks that see the whole key block, no causal mask
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
+                                           bias_n, stride_qm, stride_dom, mid, end, offs_m, offs_n, offs_d,
+                                           seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                           seed, row_base, dropout_p, keep_scale, keep_scale_lo,
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_BIAS, DROPOUT, EVEN_M)
+
+    out_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
+    dk_ptrs = (DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
+               + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
+    tl.store(dk_ptrs, _scale(dk, sm_scale, sm_scale_lo).to(DK.dtype.element_ty), mask=out_mask)
+    dv_ptrs = (DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
+               + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
+                            lo, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                            seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                            HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
+    """Accumulate key blocks [lo, hi) into dQ of the resident query block. MASKED: diagonal and tail."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_rows(k_base + cols[:, None] * stride_kn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_rows(v_base + cols[:, None] * stride_vn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        qk = _scale(tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=dq.dtype), qk_scale, qk_scale_lo)
+        if HAS_KEY_BIAS:
+            qk += _key_bias(kb_base, cols, seq_k)[None, :]
+        p = tl.exp2(qk - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(offs_m[:, None], cols[None, :], seq_k, causal_offset, CAUSAL), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=dq.dtype)
+        if DROPOUT:
+            keep = _dropout_keep(seed, rng_base, offs_m[:, None], cols[None, :], seq_k, dropout_p)
+            dp = tl.where(keep, _scale(dp, keep_scale, keep_scale_lo), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION, out_dtype=dq.dtype)
+    return dq
+
+
+@triton.jit(do_not_specialize=["seed", "sections", "WAVE_BUCKET"])
+def attention_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KB,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_kbb,
+    seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
+    seed, dropout_p, keep_scale, keep_scale_lo, sections,
+    SEQ_BUCKET, WAVE_BUCKET,  # autotune keys only
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B); sections
+    as in the forward."""
+    pid_m, off_h, off_b = _query_block_coords(sections, CAUSAL)  # causal: heaviest first
+    off_hk = off_h // GROUP
+    acc_dtype = DELTA.dtype.element_ty
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q = _load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+                   + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                    + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    row = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + offs_m
+    # rows past seq_q: lse = +inf gives P = 0 (their dQ is not stored anyway)
+    lse2 = tl.load(LSE + row, mask=offs_m < seq_q, other=float("inf"))
+    if HAS_KEY_BIAS:  # rows that see no key: +inf makes P exactly 0 (exp2(-inf - -inf) would be NaN)
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    delta = tl.load(DELTA + row, mask=offs_m < seq_q, other=0.0)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
+    kb_base = KB + off_b.to(tl.int64) * stride_kbb
+    rng_base = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q
+
+    causal_offset = seq_k - seq_q
+    mid, hi = _query_block_key_range(start_m, seq_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    # stage 1: off-band, no causal mask
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
+                                 0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                 seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION, HAS_KEY_BIAS, DROPOUT)
+    # stage 2: diagonal blocks and the ragged tail of seq_k
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
+                                 mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                 seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION, HAS_KEY_BIAS, DROPOUT)
+
+    dq_ptrs = (DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+               + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
+    tl.store(dq_ptrs, _scale(dq, sm_scale, sm_scale_lo).to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
+
+
+_attention_bwd_dkdv_tuned = tuning.autotuned(attention_bwd_dkdv_kernel, tiles.DKDV_CANDIDATES,
+                                              tiles.DKDV_CANDIDATES_WIDE, tiles.WIDE_HEAD_DIM, extra_key=["EVEN_M"])
+_attention_bwd_dq_tuned = tuning.autotuned(attention_bwd_dq_kernel, tiles.DQ_CANDIDATES, tiles.DQ_CANDIDATES_WIDE,
+                                           tiles.WIDE_HEAD_DIM)
+
+PREPROCESS_BLOCK_M = 64  # rows a delta program; also the Hopper backward's dQ buffer block, which it zeroes
+
+
+def backward_delta(out: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor,
+                   dq_acc: torch.Tensor | None = None) -> torch.Tensor:
+    """delta = rowsum(dO * O) - dlse, (B, H_q, N_q) like ``lse`` (contiguous, the accumulator's dtype), by the
+    preprocess kernel; out, do: (B, H_q, N_q, D), any strides. Shared by the 16-bit, the Hopper and the FP8
+    backwards. dq_acc: the Hopper backward's dQ buffer (``hopper.bwd.dq_buffer``), zeroed on the way."""
+    batch, heads_q, seq_q, head_dim = out.shape
+    delta = torch.empty_like(lse)
+    block_m = 16 if INTERPRET and dq_acc is None else PREPROCESS_BLOCK_M
+    launch_kernel(
+        attention_bwd_preprocess_kernel, (cdiv(seq_q, block_m), heads_q, batch),
+        out, do, dlse.contiguous() if dlse is not None else delta, delta, dq_acc if dq_acc is not None else delta,
+        *out.stride(), *do.stride(), seq_q, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m,
+        HAS_DLSE=dlse is not None, ZERO_DQ_ACC=dq_acc is not None)
+    return delta
+
+
+@on_input_device
+def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
+                  key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0):
+    """Launch the backward kernels. Returns (dq, dk, dv), each ``empty_like`` its input.
+
+    do, out: (B, H_q, N_q, D); lse: (B, H_q, N_q), the log2-domain LSE from ``attention_fwd``; dlse: the gradient of
+    the natural-log LSE, same shape, or None. Any strides for do, q, k, v, out. key_padding_mask, dropout_p and
+    seed: exactly as given to ``attention_fwd``.
+    """
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_k = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    delta = backward_delta(out, do, dlse, lse)
+    bd = block_d(head_dim)
+    group = heads_q // heads_kv
+
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, PRECISION=precision_for(q.dtype),
+                HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0)
+    kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=delta)
+    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    scalars = (seq_q, seq_k, *split_scale(scale), *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed))
+    # causal launch sections, counted in the largest tile the tuner may pick: dK/dV streams Q and dO of its KV
+    # head's group (with LSE and delta), dQ streams K and V
+    row_bytes = 2 * head_dim * q.element_size()
+    dkdv_sections = causal_sections(causal, batch * heads_kv, cdiv(seq_k, tiles.largest_tile("dkdv", head_dim)), 1,
+                                    seq_q, group * (row_bytes + 2 * lse.element_size()), q.device)
+    dq_sections = causal_sections(causal, batch * heads_q, cdiv(seq_q, tiles.largest_tile("dq", head_dim)), group,
+                                  seq_k, row_bytes, q.device)
+    # the tuner's grid-size keys: dK/dV has a program per key block, dQ per query block
+    dkdv_waves = tuning.wave_bucket(batch * heads_kv, seq_k, q.device)
+    dq_waves = tuning.wave_bucket(batch * heads_q, seq_q, q.device)
+    fixed = tuning.uses_fixed_tiles(q.dtype)
+    longest = max(seq_q, seq_k)
+    tuning.launch_tuned("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
+                        lambda m: (cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
+                        (q, k, v, do, lse, delta, dk, dv, kb, *common, *dk.stride(), *dv.stride(), stride_kbb,
+                         *scalars, dkdv_sections, tuning.seq_bucket(seq_q), dkdv_waves),
+                        tiles.fixed_config("dkdv", bd, longest) if fixed else None, **meta,
+                        EVEN_M=seq_q % tiles.EVEN_M_MULTIPLE == 0)
+    tuning.launch_tuned("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
+                        lambda m: (cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
+                        (q, k, v, do, lse, delta, dq, kb, *common, *dq.stride(), stride_kbb,
+                         *scalars, dq_sections, tuning.seq_bucket(seq_k), dq_waves),
+                        tiles.fixed_config("dq", bd, longest) if fixed else None, **meta)
+    return dq, dk, dv

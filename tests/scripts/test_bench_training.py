@@ -1,0 +1,83 @@
+"""scripts/bench/training.py's reports (CPU): loss summaries over seeds, and the speed table."""
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "training.py"
+spec = importlib.util.spec_from_file_location("bench_training", SCRIPT)
+bench_training = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_training)
+
+
+def loss_rows(finals: dict, steps: int = 30, seeds=True) -> list[dict]:
+    """Rows of a --losses-out CSV whose last 20 steps have mean ``finals[(attn, seed)]``."""
+    rows = []
+    for (attn, seed), final in finals.items():
+        for step in range(steps):
+            row = dict(attn=attn, seq="4096", step=str(step), loss=str(final if step >= steps - 20 else 5.0),
+                       gpu="GPU", date="2026-11-29")
+            if seeds:
+                row["seed"] = str(seed)
+            rows.append(row)
+    return rows
+
+
+def test_loss_summary_over_seeds():
+    finals = {("flash", 1): 0.6, ("flash", 2): 0.8, ("flash_fp8:full", 1): 0.72, ("flash_fp8:full", 2): 0.75}
+    lines = bench_training.summarise_losses(bench_training.loss_curves(loss_rows(finals)))
+    assert "flash seq 4096 seed 2: mean loss over the last 20 steps 0.8000" in lines
+    assert "flash seq 4096: mean of 2 seeds 0.7000 (range 0.6000-0.8000), +0.0% against the first" in lines
+    assert "flash_fp8:full seq 4096: mean of 2 seeds 0.7350 (range 0.7200-0.7500), +5.0% against the first" in lines
+    # paired by seed: +20% (seed 1) and -6.25% (seed 2)
+    assert lines[-1] == "flash_fp8:full seq 4096 against flash, same seed: +6.88% (range -6.25% to +20.00%, 2 seeds)"
+
+
+def test_loss_summary_leaves_out_runs_that_turned_non_finite():
+    finals = {("flash", 1): 0.6, ("flash", 2): 0.8, ("flash", 3): 0.7, ("flash_fp8:full", 1): 0.66,
+              ("flash_fp8:full", 2): 0.76, ("flash_fp8:full", 3): 0.7}
+    rows = loss_rows(finals)
+    for row in rows:
+        if row["attn"] == "flash_fp8:full" and row["seed"] == "2" and int(row["step"]) >= 25:
+            row["loss"] = "nan"
+    lines = bench_training.summarise_losses(bench_training.loss_curves(rows))
+    assert "flash_fp8:full seq 4096 seed 2: non-finite loss from step 25 (left out below)" in lines
+    assert "flash_fp8:full seq 4096: mean of 2 seeds 0.6800 (range 0.6600-0.7000), -2.9% against the first" in lines
+    assert lines[-1] == "flash_fp8:full seq 4096 against flash, same seed: +5.00% (range +0.00% to +10.00%, 2 seeds)"
+
+
+def test_loss_summary_of_files_without_seeds():
+    rows = loss_rows({("flash", None): 0.675, ("flash_fp8:forward", None): 0.687}, seeds=False)
+    rows = rows[:30][::-1] + rows[30:]  # steps out of order in the file come back sorted
+    curves = bench_training.loss_curves(rows)
+    assert [step for step, _ in curves["flash", "4096", ""]] == list(range(30))
+    assert bench_training.summarise_losses(curves) == [
+        "flash seq 4096: mean loss over the last 20 steps 0.6750",
+        "flash_fp8:forward seq 4096: mean loss over the last 20 steps 0.6870"]
+
+
+def test_report_table(tmp_path):
+    path = tmp_path / "training.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=bench_training.FIELDS, restval="")
+        writer.writeheader()
+        common = dict(model="gpt2-small", params_m="85.2", tokens_per_step="32768", gpu="GPU", torch="2", triton="3",
+                      date="2026-11-29")
+        writer.writerow(dict(attn="eager", seq=4096, seed=1, status="OOM", **common))
+        for seed, tokens in ((1, 1000), (2, 999)):  # several seeds: the table shows the first
+            writer.writerow(dict(attn="flash", seq=4096, seed=seed, status="ok", tokens_per_s=tokens,
+                                 peak_alloc_gib="13.04", **common))
+        writer.writerow(dict(attn="flash", seq=4096, seed=1, status="ok", tokens_per_s=2000, peak_alloc_gib="9.5",
+                             **{**common, "model": "gpt2-small-h128"}))
+    table = bench_training.report(str(path))
+    assert "| model | seq | eager | flash |" in table
+    assert "| gpt2-small | 4096 | OOM | 1,000 (13.0) |" in table  # several seeds: the first
+    assert "| gpt2-small-h128 | 4096 |  | 2,000 (9.5) |" in table  # a row per model, in the order run
+
+
+@pytest.mark.parametrize("argv", [["--seeds", "1", "x"], ["--seeds"]])
+def test_seeds_are_integers(argv):
+    with pytest.raises(SystemExit):
+        bench_training.main(["--report", "unused.csv", *argv])
