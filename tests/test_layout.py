@@ -107,30 +107,34 @@ def _tracked_files() -> list[Path]:
         return [p for p in REPO.rglob("*") if p.is_file() and not {".git", ".venv", "__pycache__"} & set(p.parts)]
 
 
-# Words about how the tree was built rather than what it does; pytest's "session" scope and hooks are fine.
-BUILD_WORDS = re.compile(r"\bsessions?\b|\brun [0-9]+\b|gpu box|as it lands|not merged", re.I)
-PYTEST_SESSION = re.compile(r"scope=.?session|session-scoped|sessionstart|sessionfinish|pytest_session", re.I)
+# Words about how the tree was built rather than what it does; pytest's own scope and hooks of that name are fine.
+# Spelled in pieces, so that this file passes the same grep.
+_SESS = "sess" + "ion"
+BUILD_WORDS = re.compile("|".join([rf"\b{_SESS}s?\b", r"\bru" + r"n [0-9]+\b", "gpu " + "box", "as it " + "lands",
+                                   "not " + "merged"]), re.I)
+PYTEST_OWN_SCOPE = re.compile(rf"scope=.?{_SESS}|{_SESS}-scoped|{_SESS}start|{_SESS}finish|pytest_{_SESS}", re.I)
 
 
 def test_tree_speaks_of_the_code_only():
     hits = []
     for path in _tracked_files():
-        if path.suffix in (".png", ".whl") or path == Path(__file__).resolve():
+        if path.suffix in (".png", ".whl"):
             continue
         try:
             text = path.read_text()
         except UnicodeDecodeError:
             continue
         for number, line in enumerate(text.splitlines(), 1):
-            if BUILD_WORDS.search(line) and not PYTEST_SESSION.search(line):
+            if BUILD_WORDS.search(line) and not PYTEST_OWN_SCOPE.search(line):
                 hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()[:100]}")
     assert not hits, "\n".join(hits[:20])
 
 
 def test_the_word_check_catches_what_it_should():
-    for line in ("the forty-third session measured", "run 31 reproduced it", "on the GPU box", "not merged"):
+    for line in (f"the forty-third {_SESS} measured", "ru" + "n 31 reproduced it", "on the GPU " + "box",
+                 "branch not " + "merged"):
         assert BUILD_WORDS.search(line)
-    assert PYTEST_SESSION.search('@pytest.fixture(scope="session")')
+    assert PYTEST_OWN_SCOPE.search(f'@pytest.fixture(scope="{_SESS}")')
     assert not BUILD_WORDS.search("runs 3 times; a rerun of the benchmark")
 
 
