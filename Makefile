@@ -2,9 +2,8 @@
 # Both create .venv/ on first use and install one tested set into it: torch 2.11.0 with triton 3.6.0, the pair every
 # GPU figure in the README comes from (torch's CUDA 13.0 build; it runs on CPU-only machines too, through Triton's
 # interpreter). Another pair: make test TORCH='torch==2.13.0' TRITON='triton==3.6.0' (tested on CPU only).
-# An offline host with torch and triton installed, the other packages' wheels in .whl/:
-#   pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-#   make test VENV_FLAGS=--system-site-packages PIP_FLAGS='--no-index --no-deps --no-build-isolation'
+# VENV_FLAGS and PIP_FLAGS pass options to venv and pip (e.g. PIP_FLAGS='--index-url URL'); an offline host:
+# docs/benchmarks.md.
 PYTHON ?= python3
 TORCH ?= torch==2.11.0
 TRITON ?= triton==3.6.0
