@@ -118,6 +118,20 @@ def _not_ready(tensors: tuple[torch.Tensor, ...], module: str, device: torch.dev
     return None
 
 
+def _not_forward_shape(causal: bool, seq_q: int, seq_k: int, scale: float) -> str | None:
+    """The rules both Hopper forwards (16-bit and FP8) share: every row sees a key, and a scale > 0."""
+    if causal and seq_q > seq_k:
+        return "causal with seq_q > seq_k: rows that see no key"
+    if not scale > 0:
+        return "scale <= 0 (the Hopper kernel takes the row max before scaling)"
+    return None
+
+
+def _hopper(mode: str, auto_reason: str) -> Choice:
+    """The Choice of a Hopper kernel that passed every rule: ``auto_reason`` in "auto" mode."""
+    return Choice(HOPPER, auto_reason if mode == "auto" else "Hopper forced (mode 'always')")
+
+
 def _too_short(table: dict, device: torch.device, key, seq: int) -> bool:
     """Whether ``seq`` is below the table's threshold for this GPU (a key without one: never faster). A GPU without
     a table is left to ``_not_ready``, which turns away everything but sm_90."""
@@ -138,17 +152,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
     if head_dim not in HOPPER_FWD_CONFIGS:
         return Choice(TRITON, "no Hopper forward for this head_dim")
-    if causal and seq_q > seq_k:
-        return Choice(TRITON, "causal with seq_q > seq_k: rows that see no key")
-    if not scale > 0:
-        return Choice(TRITON, "scale <= 0 (the Hopper kernel takes the row max before scaling)")
+    reason = _not_forward_shape(causal, seq_q, seq_k, scale)
+    if reason is not None:
+        return Choice(TRITON, reason)
     if mode == "auto" and _too_short(HOPPER_FWD_MIN_SEQ, q.device, (head_dim, causal), max(seq_q, seq_k)):
         return Choice(TRITON, "shorter than where the Hopper forward is faster")
     reason = _not_ready((q, k, v), "fwd", q.device)
     if reason is not None:
         return Choice(TRITON, reason)
-    return Choice(HOPPER, "sm_90 and a shape where the Hopper forward is faster" if mode == "auto"
-                  else "Hopper forced (mode 'always')")
+    return _hopper(mode, "sm_90 and a shape where the Hopper forward is faster")
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
@@ -172,8 +184,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     reason = _not_ready((q, k, v, do), "bwd", q.device)
     if reason is not None:
         return Choice(TRITON, reason)
-    return Choice(HOPPER, "sm_90 and a shape where the Hopper backward is faster" if mode == "auto"
-                  else "Hopper forced (mode 'always')")
+    return _hopper(mode, "sm_90 and a shape where the Hopper backward is faster")
 
 
 def fp8_forward(q: torch.Tensor, k: torch.Tensor, qk_dim: int, causal: bool, scale: float) -> Choice:
@@ -186,10 +197,9 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, qk_dim: int, causal: bool, sca
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
     if qk_dim != head_dim or head_dim not in FP8_HOPPER_FWD_CONFIGS:
         return Choice(TRITON, "no FP8 Hopper forward for this head_dim (or a rotation that pads it)")
-    if causal and seq_q > seq_k:
-        return Choice(TRITON, "causal with seq_q > seq_k: rows that see no key")
-    if not scale > 0:
-        return Choice(TRITON, "scale <= 0 (the Hopper kernel takes the row max before scaling)")
+    reason = _not_forward_shape(causal, seq_q, seq_k, scale)
+    if reason is not None:
+        return Choice(TRITON, reason)
     if mode == "auto" and _too_short(FP8_HOPPER_FWD_MIN_SEQ, q.device, (head_dim, causal), max(seq_q, seq_k)):
         return Choice(TRITON, "shorter than where the FP8 Hopper forward is faster")
     if fp8_scores_in_f16(head_dim) and not F16_NORMAL_MIN <= scale * LOG2E <= F16_MAX:
@@ -197,8 +207,7 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, qk_dim: int, causal: bool, sca
     reason = _not_ready((), "fp8_fwd", q.device)  # its quantised operands are allocated TMA-aligned
     if reason is not None:
         return Choice(TRITON, reason)
-    return Choice(HOPPER, "sm_90 and a shape where the FP8 Hopper forward is faster" if mode == "auto"
-                  else "Hopper forced (mode 'always')")
+    return _hopper(mode, "sm_90 and a shape where the FP8 Hopper forward is faster")
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None,
