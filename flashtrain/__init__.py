@@ -13,9 +13,11 @@ from __future__ import annotations
 import importlib
 
 __version__ = "0.2.0"
-__all__ = ["flash_attention", "FlashMultiheadAttention", "swap_attention", "unswap_attention"]
+__all__ = ["flash_attention", "flash_attention_varlen", "FlashMultiheadAttention", "swap_attention",
+           "unswap_attention"]
 
-_HOMES = {"flash_attention": "flashtrain.ops.attention", "FlashMultiheadAttention": "flashtrain.nn.multihead",
+_HOMES = {"flash_attention": "flashtrain.ops.attention", "flash_attention_varlen": "flashtrain.ops.varlen",
+          "FlashMultiheadAttention": "flashtrain.nn.multihead",
           "swap_attention": "flashtrain.nn.multihead", "unswap_attention": "flashtrain.nn.multihead"}
 
 

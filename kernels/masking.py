@@ -1,10 +1,14 @@
 """Where masks cut the work: causal key ranges per query block (and query ranges per key block), which scores a
 tile keeps, and the launch order of causal programs.
 
-Causal masks are aligned bottom-right like flash-attn: query i sees key j iff j <= i + (seq_k - seq_q). A program's
-key range splits into blocks every row sees in full (no mask), blocks that cross the diagonal or hold the ragged
-tail of seq_k (elementwise mask), and blocks no row sees (never visited). New masking modes (windows, documents)
-belong here: a kernel asks this module for its ranges and its tile masks.
+Masks are aligned bottom-right like flash-attn. With ``window_size = (left, right)`` query i sees key j iff
+i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right (-1: unbounded on that side); causal is right = 0. The
+kernels take the two diagonals as offsets, ``right_offset = seq_k - seq_q + right`` and
+``left_offset = seq_k - seq_q - left``, and two constexpr flags: CAUSAL (the right side is bounded: causal or
+right >= 0) and LOCAL (the left side is bounded). A program's key range splits into blocks every row sees in full
+(no mask), blocks that cross a diagonal or hold the ragged tail of seq_k (elementwise mask), and blocks no row sees
+(never visited). Packed sequences (varlen) reuse all of it per sequence: ``_sequence`` gives a program its
+sequence's offsets and lengths.
 
 Causal programs do unequal work (query block i sees i + 1 key blocks), so ``_query_block_coords`` launches the
 heaviest first within sections of (batch, head) pairs that ``causal_sections`` sizes: each section fills the SMs,
@@ -12,6 +16,8 @@ and its pairs' K and V fit in L2 together. docs/design.md has the scheme; docs/t
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -24,6 +30,32 @@ from .launch import sm_count
 CAUSAL_SECTION_KV_BYTES = 8 << 20
 # The number of sections instead of the rule, or None (tests set it to exercise uneven sections)
 CAUSAL_SECTIONS: int | None = None
+
+
+class Varlen(NamedTuple):
+    """Packed sequences for a launch on a batch of one: int32 (n + 1,) offsets into the rows of q and of k, and
+    the longest sequence of each (the grid's size)."""
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+class Window(NamedTuple):
+    """A launch's mask as the kernels take it: the CAUSAL and LOCAL flags and the (left, right) window sizes."""
+    causal: bool  # the right side is bounded
+    local: bool  # the left side is bounded
+    left: int
+    right: int
+
+
+def window_mask(causal: bool, window_size: tuple[int, int] = (-1, -1)) -> Window:
+    """The kernels' mask for ``causal`` and flash-attn's ``window_size`` (-1: unbounded; causal caps the right
+    side at 0)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    return Window(right >= 0, left >= 0, max(left, 0), max(right, 0))
 
 
 def causal_sections(causal: bool, pairs: int, blocks: int, group: int, seq: int, bytes_per_row: int,
@@ -110,14 +142,100 @@ def _query_block_key_range(start_m, seq_k, causal_offset, CAUSAL: tl.constexpr, 
 
 
 @triton.jit
-def _visible(rows, cols, seq_k, causal_offset, CAUSAL: tl.constexpr):
+def _visible(rows, cols, seq_k, causal_offset, CAUSAL: tl.constexpr, left_offset=0, LOCAL: tl.constexpr = False):
     """Which scores of query rows ``rows`` and keys ``cols`` (broadcastable index tiles, either orientation)
-    exist: keys inside seq_k and, if CAUSAL, on or below the bottom-right aligned diagonal, j <= i + causal_offset
-    with causal_offset = seq_k - seq_q."""
+    exist: keys inside seq_k; if CAUSAL, on or below the right diagonal, j <= i + causal_offset (causal:
+    causal_offset = seq_k - seq_q); if LOCAL, on or above the left one, j >= i + left_offset."""
     visible = cols < seq_k
     if CAUSAL:
         visible = visible & (cols <= rows + causal_offset)
+    if LOCAL:
+        visible = visible & (cols >= rows + left_offset)
     return visible
+
+
+@triton.jit
+def _window_key_range(start_m, seq_q, seq_k, right_offset, left_offset, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr):
+    """(lo, full_lo, full_hi, hi): the keys a program with queries [start_m, start_m + BLOCK_M) visits under a
+    window. [lo, full_lo) crosses the left diagonal (masked), [full_lo, full_hi) is seen by every row (no mask),
+    [full_hi, hi) crosses the right diagonal or holds the ragged tail of seq_k (masked). Without LOCAL,
+    lo = full_lo = 0 and this is ``_query_block_key_range``. VARLEN: a block past its sequence's seq_q visits
+    nothing (the grid is sized for the longest sequence)."""
+    mid, hi = _query_block_key_range(start_m, seq_k, right_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    lo = 0
+    full_lo = 0
+    if LOCAL:
+        # keys seen by the block's first row: j >= start_m + left_offset
+        lo = (tl.maximum(start_m + left_offset, 0) // BLOCK_N) * BLOCK_N
+        # keys seen by its last row (so by every row): j >= start_m + BLOCK_M - 1 + left_offset
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + left_offset, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        mid = tl.maximum(mid, full_lo)
+    if VARLEN:
+        hi = tl.where(start_m < seq_q, hi, 0)
+        lo = tl.minimum(lo, hi)
+        full_lo = tl.minimum(full_lo, hi)
+        mid = tl.minimum(mid, hi)
+    return lo, full_lo, mid, hi
+
+
+@triton.jit
+def _window_query_range(start_n, seq_q, seq_k, right_offset, left_offset, CAUSAL: tl.constexpr,
+                        LOCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr):
+    """(lo, mid, full_hi, hi): the query blocks a dK/dV program with keys [start_n, start_n + BLOCK_N) visits,
+    in multiples of BLOCK_M. [lo, mid) crosses the right diagonal (masked), [mid, full_hi) sees every key of the
+    block (no mask), [full_hi, hi) crosses the left diagonal (masked). Without LOCAL, full_hi = hi and this is
+    ``_dkdv_query_range``. VARLEN: a block past its sequence's seq_k visits nothing."""
+    lo, mid, hi = _dkdv_query_range(start_n, seq_q, right_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    full_hi = hi
+    if LOCAL:
+        # rows that see the block's last key: i <= start_n + BLOCK_N - 1 - left_offset
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(start_n + BLOCK_N - left_offset, 0), BLOCK_M) * BLOCK_M)
+        # rows that see its first key (so every key): i <= start_n - left_offset
+        full_hi = (tl.maximum(start_n - left_offset + 1, 0) // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(mid, hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, mid), hi)
+    if VARLEN:
+        hi = tl.where(start_n < seq_k, hi, 0)
+        lo = tl.minimum(lo, hi)
+        mid = tl.minimum(mid, hi)
+        full_hi = tl.minimum(full_hi, hi)
+    return lo, mid, full_hi, hi
+
+
+@triton.jit
+def _sequence(CU_Q, CU_K, off_b, seq_q, seq_k, VARLEN: tl.constexpr):
+    """(b, q_start, k_start, len_q, len_k): where this program's sequence lives. Dense: batch ``off_b`` of
+    (seq_q, seq_k). VARLEN: sequence ``off_b`` of the packed rows, [CU_Q[b], CU_Q[b + 1]) and [CU_K[b], CU_K[b + 1])
+    of a batch of one (b = 0; seq_q, seq_k: the packed totals); the grid's last index holds the rows past the last
+    offsets, which see no key (``_tail_rows`` writes them)."""
+    if VARLEN:
+        last = tl.num_programs(2) - 1
+        b = off_b * 0  # a batch of one; a tensor like off_b, so the caller's int64 casts work
+        q_start = tl.load(CU_Q + off_b)
+        k_start = tl.load(CU_K + off_b)
+        in_tail = off_b == last
+        len_q = tl.where(in_tail, q_start, tl.load(CU_Q + off_b + 1, mask=off_b < last, other=0)) - q_start
+        len_k = tl.where(in_tail, k_start, tl.load(CU_K + off_b + 1, mask=off_b < last, other=0)) - k_start
+    else:
+        b = off_b
+        q_start = 0
+        k_start = 0
+        len_q = seq_q
+        len_k = seq_k
+    return b, q_start, k_start, len_q, len_k
+
+
+@triton.jit
+def _tail_rows(CU, off_b, pid, seq, BLOCK: tl.constexpr):
+    """(first, stop, step): the rows [CU[last], seq) past the last packed sequence that the program at ``pid`` of
+    the grid's last batch index writes (zeros, or an LSE of -inf), BLOCK rows at a time; an empty range for every
+    other program. Rows are strided over the grid's axis 0 so any tail length is covered."""
+    last = tl.num_programs(2) - 1
+    first = tl.load(CU + last) + pid * BLOCK
+    stop = tl.where(off_b == last, seq, 0)
+    return first, stop, BLOCK * tl.num_programs(0)
 
 
 @triton.jit

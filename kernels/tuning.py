@@ -21,8 +21,9 @@ from .launch import INTERPRET, launch_kernel, sm_count
 SEQ_BUCKET_CAP = 16384  # sequences from here on share one pick: the fastest tile no longer changes with length
 WAVE_BUCKET_ROWS = 128  # rows a program, for counting a launch's programs before its tile is known
 
-# the autotuner adds the tensors' dtypes; the key-bias / dropout variants are tuned apart (more registers)
-TUNE_KEY = ["HEAD_DIM", "CAUSAL", "SEQ_BUCKET", "WAVE_BUCKET", "PRECISION", "HAS_KEY_BIAS", "DROPOUT"]
+# the autotuner adds the tensors' dtypes; the window, varlen, key-bias and dropout variants are tuned apart
+TUNE_KEY = ["HEAD_DIM", "CAUSAL", "LOCAL", "VARLEN", "SEQ_BUCKET", "WAVE_BUCKET", "PRECISION", "HAS_KEY_BIAS",
+            "DROPOUT"]
 
 
 def seq_bucket(seq_len: int) -> int:

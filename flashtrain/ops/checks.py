@@ -21,6 +21,17 @@ FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper
 FP8_MODES = (None, "forward", "full")
 
 
+def check_window(window_size, fn: str = "flash_attention") -> tuple[int, int]:
+    """flash-attn's ``window_size`` as a pair of ints, each -1 (unbounded) or >= 0."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"{fn}: window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = int(window_size[0]), int(window_size[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"{fn}: window_size={window_size!r}; each side must be -1 (unbounded) or >= 0")
+    return left, right
+
+
 def check_fp8(q, key_padding_mask, dropout_p, fp8, hadamard, smooth_k) -> None:
     if fp8 not in FP8_MODES:
         raise ValueError(f"flash_attention: fp8={fp8!r}; expected None, 'forward' or 'full'")

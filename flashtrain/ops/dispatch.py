@@ -93,7 +93,7 @@ def _not_on_hopper(mode: str, q: torch.Tensor) -> str | None:
 
 
 def _not_16bit_hopper(mode: str, q: torch.Tensor, key_padding_mask, dropout_p: float,
-                      triton_kernels: tuple[str, ...]) -> str | None:
+                      triton_kernels: tuple[str, ...], window_size: tuple[int, int], varlen: bool) -> str | None:
     """The cheap rules both 16-bit Hopper kernels share, or None when they pass."""
     reason = _not_on_hopper(mode, q)
     if reason is not None:
@@ -104,6 +104,8 @@ def _not_16bit_hopper(mode: str, q: torch.Tensor, key_padding_mask, dropout_p: f
         return "the Hopper kernels take float16 or bfloat16"
     if key_padding_mask is not None or dropout_p > 0:
         return "the Hopper kernels take no key padding mask or dropout"
+    if window_size != (-1, -1) or varlen:
+        return "the Hopper kernels take no sliding window or packed sequences"
     return None
 
 
@@ -143,10 +145,11 @@ def _too_short(table: dict, device: torch.device, key, seq: int) -> bool:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-            key_padding_mask: torch.Tensor | None, dropout_p: float) -> Choice:
-    """The 16-bit forward's kernel for these (validated) inputs."""
+            key_padding_mask: torch.Tensor | None, dropout_p: float, window_size: tuple[int, int] = (-1, -1),
+            varlen: bool = False) -> Choice:
+    """The 16-bit forward's kernel for these (validated) inputs; ``varlen``: packed sequences."""
     mode = _modes["forward"]
-    reason = _not_16bit_hopper(mode, q, key_padding_mask, dropout_p, ("fwd",))
+    reason = _not_16bit_hopper(mode, q, key_padding_mask, dropout_p, ("fwd",), window_size, varlen)
     if reason is not None:
         return Choice(TRITON, reason)
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
@@ -164,12 +167,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
-             key_padding_mask: torch.Tensor | None, dropout_p: float) -> Choice:
+             key_padding_mask: torch.Tensor | None, dropout_p: float, window_size: tuple[int, int] = (-1, -1),
+             varlen: bool = False) -> Choice:
     """The 16-bit backward's kernel for these inputs (``do``: the output's gradient, whose layout TMA reads too)."""
     mode = _modes["backward"]
     if torch.are_deterministic_algorithms_enabled():
         return Choice(TRITON, "deterministic algorithms requested (the Hopper backward's dQ uses atomics)")
-    reason = _not_16bit_hopper(mode, q, key_padding_mask, dropout_p, ("dkdv", "dq"))
+    reason = _not_16bit_hopper(mode, q, key_padding_mask, dropout_p, ("dkdv", "dq"), window_size, varlen)
     if reason is not None:
         return Choice(TRITON, reason)
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
@@ -211,9 +215,10 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, qk_dim: int, causal: bool, sca
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None,
-            key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> str:
+            key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+            window_size: tuple[int, int] = (-1, -1), varlen: bool = False) -> str:
     """One line per direction saying which 16-bit kernel ``flash_attention`` runs for these inputs, and why."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    fwd = forward(q, k, v, causal, scale, key_padding_mask, dropout_p)
-    bwd = backward(q, k, v, q, causal, key_padding_mask, dropout_p)
+    fwd = forward(q, k, v, causal, scale, key_padding_mask, dropout_p, tuple(window_size), varlen)
+    bwd = backward(q, k, v, q, causal, key_padding_mask, dropout_p, tuple(window_size), varlen)
     return f"forward: {fwd.kernel} ({fwd.reason})\nbackward: {bwd.kernel} ({bwd.reason})"

@@ -34,14 +34,33 @@ def causal_mask(seq_q: int, seq_k: int, device=None) -> torch.Tensor:
     return j <= i + (seq_k - seq_q)
 
 
+def window_mask(seq_q: int, seq_k: int, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                device=None) -> torch.Tensor:
+    """Bool (seq_q, seq_k), True where query i may see key j under flash-attn's ``window_size`` (left, right):
+    i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right, -1 unbounded; causal caps right at 0."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(seq_q, device=device)[:, None] + (seq_k - seq_q)
+    j = torch.arange(seq_k, device=device)[None, :]
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= j <= i + right
+    if left >= 0:
+        visible &= j >= i - left
+    return visible
+
+
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                   scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
-                  dropout_keep: torch.Tensor | None = None, dropout_p: float = 0.0, upcast: bool = True):
+                  dropout_keep: torch.Tensor | None = None, dropout_p: float = 0.0, upcast: bool = True,
+                  window_size: tuple[int, int] = (-1, -1)):
     """Reference attention with the semantics of ``flashtrain.flash_attention``. Returns (out, lse).
 
     q: (B, H_q, N_q, D); k, v: (B, H_kv, N_k, D) with H_q a multiple of H_kv (GQA by repetition here).
-    key_padding_mask: bool (B, N_k), True = padding, or float (B, N_k), added to the scores. dropout_keep: bool (B, H_q, N_q, N_k), the kept
-    probabilities (``flashtrain.kernels.dropout_keep_mask`` gives the kernels' mask), scaled by 1/(1-p).
+    key_padding_mask: bool (B, N_k), True = padding, or float (B, N_k), added to the scores.
+    dropout_keep: bool (B, H_q, N_q, N_k), the kept probabilities (``flashtrain.kernels.dropout_keep_mask`` gives
+    the kernels' mask), scaled by 1/(1-p). window_size: flash-attn's (left, right) (``window_mask``).
     With ``upcast`` the math runs in float64 and the output is cast back to q's dtype; lse is returned
     in float64 (natural log, -inf for rows that see no key; their output rows are 0).
     """
@@ -53,8 +72,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, N_q, N_k)
-    if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if causal or window_size != (-1, -1):
+        visible = window_mask(q.shape[2], k.shape[2], causal, window_size, q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
     if key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
         scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
     elif key_padding_mask is not None:
@@ -65,6 +85,31 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         probs = probs * dropout_keep / (1.0 - dropout_p)
     out = torch.matmul(probs, v)
     return out.to(dtype), lse
+
+
+def attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+                         window_size: tuple[int, int] = (-1, -1), upcast: bool = True):
+    """Reference of ``flash_attention_varlen``: each packed sequence attended on its own. Returns (out, lse).
+
+    q: (total_q, H_q, D); k, v: (total_k, H_kv, D); cu_seqlens_*: (n + 1,) offsets. out: like q, zeros on rows
+    past cu_seqlens_q[-1]; lse: float64 (H_q, total_q) natural log, -inf on rows that see no key.
+    """
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(cu_seqlens_q.shape[0] - 1):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            continue  # no key: zeros and -inf, as initialised
+        o, s = attention_ref(q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
+                             v[k0:k1].transpose(0, 1)[None], causal=causal, scale=scale, upcast=upcast,
+                             window_size=window_size)
+        out[q0:q1] = o[0].transpose(0, 1)
+        lse[:, q0:q1] = s[0].to(torch.float64)
+    return out, lse
 
 
 def fp8_quantize_ref(x: torch.Tensor, block_n: int, amax_to: float = 448.0):

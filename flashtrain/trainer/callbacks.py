@@ -61,7 +61,7 @@ class ThroughputLogger(L.Callback):
         if self._t0 is not None and step > self._step0:
             steps = step - self._step0
             step_time = (now - self._t0) / steps
-            tokens_per_step = batch[:, :-1].numel() * trainer.accumulate_grad_batches * trainer.world_size
+            tokens_per_step = batch["tokens"][:, :-1].numel() * trainer.accumulate_grad_batches * trainer.world_size
             tokens_per_s = tokens_per_step / step_time
             tflops = tokens_per_s * pl_module.flops_per_token() / trainer.world_size / 1e12  # per device
             metrics = {"perf/tokens_per_s": tokens_per_s, "perf/step_time_s": step_time, "perf/tflops": tflops,

@@ -9,9 +9,16 @@ Sources, in order of precedence:
     ``.py`` files, as the install has its tests or not; site-packages left out): large enough that a few hundred
     steps of 32k tokens see no window twice, so the training loss there measures learning rather than memorising.
 
-Text is tokenised (UTF-8 bytes by default, or a ``tokenizers`` tokenizer file), concatenated and cut into
-windows of ``seq_len + 1`` tokens (inputs and shifted targets), split into train and validation, and cached
-by ``datasets`` (its fingerprinted cache files: a second run does not tokenise again).
+Text is tokenised (UTF-8 bytes by default, or a ``tokenizers`` tokenizer file), each document followed by an
+end-of-document token (bytes: id 256, so the byte vocabulary has 257 ids), concatenated and cut into windows of
+``seq_len + 1`` tokens (inputs and shifted targets), split into train and validation, and cached by ``datasets``
+(its fingerprinted cache files: a second run does not tokenise again). A document is a row of a JSON(L) or hub
+dataset, a whole text file, a documentation topic or a standard-library source file.
+
+With ``document_masking`` each batch also says where its documents start (``Documents``): attention stays
+within a document and rotary positions restart at each one. Off by default: then every attention backend computes
+the same function at the same cost (``sdpa`` and ``eager`` have no packed path and need a (T, T) mask), and the
+model sees its whole context, as GPT-2-style pretraining on concatenated text does.
 
 Batches come from ``StepSampler``: the k-th training sample is a pure function of (seed, k), so a run
 resumed from a checkpoint at step s sees exactly the batches the original run saw after step s, on any
@@ -20,8 +27,11 @@ number of processes.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import datasets
 import lightning as L
@@ -30,6 +40,35 @@ from torch.utils.data import DataLoader, Sampler
 
 
 BUILTIN_CORPORA = ("python_docs", "python_stdlib")
+BYTE_EOD = 256  # the byte vocabulary's end-of-document id, after the 256 byte values
+EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")  # a tokenizer's end-of-document token
+
+
+class Documents(NamedTuple):
+    """Where the documents of a (B, T) batch of inputs lie, for document masking. A document starts at each row's
+    first token and after each end-of-document token.
+
+    cu_seqlens: int32 (n + 1,) offsets of the n documents in the flattened (B * T) tokens, row by row;
+    max_seqlen: the longest; positions: (B, T) long, each token's position in its document; doc_ids: (B, T) long,
+    the index of its document (for the backends that build an explicit mask)."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    positions: torch.Tensor
+    doc_ids: torch.Tensor
+
+
+def find_documents(inputs: torch.Tensor, eod: int) -> Documents:
+    """``Documents`` of (B, T) input ids whose documents end with ``eod`` (on the CPU, in the collate function)."""
+    batch, seq = inputs.shape
+    starts = torch.zeros(batch, seq, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs[:, :-1] == eod
+    first = starts.flatten().nonzero().squeeze(1)  # (n,) flat index of each document's first token
+    cu_seqlens = torch.cat([first, torch.tensor([batch * seq])]).to(torch.int32)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    doc_ids = torch.repeat_interleave(torch.arange(first.shape[0]), lengths)
+    positions = torch.arange(batch * seq) - torch.repeat_interleave(first, lengths)
+    return Documents(cu_seqlens, int(lengths.max()), positions.view(batch, seq), doc_ids.view(batch, seq))
 
 
 def check_builtin(name: str) -> None:
@@ -48,13 +87,14 @@ def _stdlib_sources() -> list[Path]:
 
 
 def builtin_corpus_file(cache_dir: Path, name: str = "python_docs") -> Path:
-    """Write the built-in corpus ``name`` (``BUILTIN_CORPORA``; the module docstring) to a text file once;
-    return its path."""
+    """Write the built-in corpus ``name`` (``BUILTIN_CORPORA``; the module docstring) to a JSON-lines file once,
+    a document per line ({"text": ...}); return its path."""
     import sys
 
     check_builtin(name)
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    path = cache_dir / ("python_docs_topics.txt" if name == "python_docs" else f"python{version}_stdlib_sources.txt")
+    path = cache_dir / ("python_docs_topics.jsonl" if name == "python_docs"
+                        else f"python{version}_stdlib_sources.jsonl")
     if not path.exists():
         if name == "python_docs":
             import pydoc_data.topics
@@ -64,7 +104,8 @@ def builtin_corpus_file(cache_dir: Path, name: str = "python_docs") -> Path:
             pieces = [p.read_text(encoding="utf-8", errors="replace") for p in _stdlib_sources()]
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("\n\n".join(pieces), encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": piece}) + "\n" for piece in pieces)
         tmp.replace(path)  # atomic: a concurrent process never reads half a file
     return path
 
@@ -93,9 +134,9 @@ class TextDataModule(L.LightningDataModule):
     """Packed (batch_size, seq_len + 1) token windows; see the module docstring."""
 
     def __init__(self, seq_len: int, batch_size: int, files=None, hub: str | None = None, hub_config=None,
-                 text_field: str = "text", tokenizer: str | None = None, vocab_size: int = 256,
+                 text_field: str = "text", tokenizer: str | None = None, vocab_size: int = BYTE_EOD + 1,
                  val_fraction: float = 0.02, seed: int = 1234, num_workers: int = 0, cache_dir=None,
-                 builtin: str = "python_docs"):
+                 builtin: str = "python_docs", document_masking: bool = False, eod_token: int | None = None):
         super().__init__()
         if int(seq_len) < 1 or int(batch_size) < 1:
             raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be positive integers")
@@ -103,6 +144,7 @@ class TextDataModule(L.LightningDataModule):
         self.files = [files] if isinstance(files, str) else (list(files) if files else None)
         self.hub, self.hub_config, self.text_field = hub, hub_config, text_field
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.document_masking, self.eod_token = bool(document_masking), eod_token
         check_builtin(builtin)  # here, not at setup: a wrong name fails when the config is built
         self.builtin = builtin
         self.val_fraction, self.seed, self.num_workers = val_fraction, seed, num_workers
@@ -128,31 +170,42 @@ class TextDataModule(L.LightningDataModule):
                 raise ValueError(f"data.hub={self.hub!r}: could not load it from the Hugging Face hub "
                                  f"({type(exc).__name__}: {exc}). Check the name, or use data.files=...") from exc
         else:
-            ds = datasets.load_dataset("text", data_files=str(builtin_corpus_file(self.cache_dir, self.builtin)),
-                                       split="train", sample_by="document")
+            ds = datasets.load_dataset("json", data_files=str(builtin_corpus_file(self.cache_dir, self.builtin)),
+                                       split="train")
         if self.text_field not in ds.column_names:
             raise ValueError(f"data.text_field={self.text_field!r} is not a column of the dataset; "
                              f"columns: {ds.column_names}")
         return ds
 
     def _encode_fn(self):
+        """(encode(texts) -> id lists, the end-of-document id)."""
         if self.tokenizer is None:
-            if self.vocab_size < 256:
-                raise ValueError(f"data.vocab_size={self.vocab_size}: byte-level tokens need at least 256")
-            return lambda texts: [list(t.encode("utf-8")) for t in texts]
+            eod = BYTE_EOD if self.eod_token is None else self.eod_token
+            if self.vocab_size <= max(255, eod):
+                raise ValueError(f"data.vocab_size={self.vocab_size}: byte-level tokens and the end-of-document id "
+                                 f"{eod} need at least {max(255, eod) + 1}")
+            return (lambda texts: [list(t.encode("utf-8")) for t in texts]), eod
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(self.tokenizer)
         if tok.get_vocab_size() > self.vocab_size:
             raise ValueError(f"data.tokenizer has {tok.get_vocab_size()} tokens but data.vocab_size="
                              f"{self.vocab_size}; set data.vocab_size (the model's vocabulary follows it)")
-        return lambda texts: [e.ids for e in tok.encode_batch(texts)]
+        eod = self.eod_token
+        if eod is None:
+            eod = next((tok.token_to_id(name) for name in EOD_NAMES if tok.token_to_id(name) is not None), None)
+        if eod is None:
+            raise ValueError(f"data.tokenizer has none of the end-of-document tokens {list(EOD_NAMES)}; set "
+                             "data.eod_token to the id that separates documents")
+        if not 0 <= eod < self.vocab_size:
+            raise ValueError(f"data.eod_token={eod} is outside the vocabulary [0, {self.vocab_size})")
+        return (lambda texts: [e.ids for e in tok.encode_batch(texts)]), eod
 
     def _packed(self) -> datasets.Dataset:
         """(num_windows,) dataset of 'ids': seq_len + 1 tokens each, cut from the concatenated stream."""
-        encode, field, window = self._encode_fn(), self.text_field, self.seq_len + 1
+        (encode, eod), field, window = self._encode_fn(), self.text_field, self.seq_len + 1
 
         def tokenize(batch):
-            return {"ids": encode(batch[field])}
+            return {"ids": [ids + [eod] for ids in encode(batch[field])]}
 
         def pack(batch):
             stream = [t for ids in batch["ids"] for t in ids]
@@ -186,12 +239,17 @@ class TextDataModule(L.LightningDataModule):
     def train_dataloader(self):
         rank, world = self._world()
         sampler = StepSampler(len(self.train_set), self.seed, self.consumed_samples, rank, world)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=_collate,
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate,
                           num_workers=self.num_workers, drop_last=True)
 
     def val_dataloader(self):
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=_collate,
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,
                           num_workers=self.num_workers)
+
+    @property
+    def collate(self):
+        """Rows -> {"tokens": (B, seq_len + 1)}, plus "documents" (``Documents`` of the inputs) when masking."""
+        return functools.partial(collate, eod=self._encode_fn()[1] if self.document_masking else None)
 
     # --- resumption ----------------------------------------------------------------------------------------
     def state_dict(self):
@@ -204,5 +262,9 @@ class TextDataModule(L.LightningDataModule):
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def _collate(rows):
-    return torch.stack([r["ids"] for r in rows])  # (B, seq_len + 1)
+def collate(rows, eod: int | None = None) -> dict:
+    """The batch of ``rows``: {"tokens": (B, seq_len + 1)}, and with ``eod`` the "documents" of its inputs."""
+    tokens = torch.stack([r["ids"] for r in rows])
+    if eod is None:
+        return {"tokens": tokens}
+    return {"tokens": tokens, "documents": find_documents(tokens[:, :-1], eod)}

@@ -1,15 +1,20 @@
 """A decoder-only GPT for long-context training: rotary positions, pre-norm blocks, tied embeddings.
 
-The attention inner product is a pluggable function ``attn(q, k, v) -> out`` on (B, nh, T, hs) tensors,
-causal: ``flashtrain.trainer.backends`` holds the choices (flash, sdpa, eager). Every choice computes
-the same function, so weights and losses agree up to kernel rounding.
+The attention inner product is a pluggable function ``attn(q, k, v, mask) -> out`` on (B, nh, T, hs) tensors,
+causal, with an ``AttentionMask`` that may keep each query within its document (packed batches) and within a
+sliding window: ``flashtrain.trainer.backends`` holds the choices (flash, sdpa, eager). Every choice computes the
+same function, so weights and losses agree up to kernel rounding.
+
+Sliding windows: ``window_size=W`` lets each token see itself and the W tokens before it (flash-attn's
+``window_size=(W, 0)``); ``window_pattern`` says which layers are local ("L") and which global ("G"), cycled over
+the layers: "LG" alternates them (Gemma 2), "LLLG" keeps every fourth layer global; None makes every layer local.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +33,50 @@ class GPTConfig:
     rope_base: float = 10000.0
     bias: bool = False
     activation_checkpointing: bool = False
+    window_size: int | None = None  # sliding-window attention over the W previous tokens (None: none)
+    window_pattern: str | None = None  # local ("L") and global ("G") layers, cycled; None: all local
 
     def __post_init__(self):
+        if self.window_size is not None and (isinstance(self.window_size, bool) or not isinstance(self.window_size, int)
+                                             or self.window_size < 0):
+            raise ValueError(f"model.window_size={self.window_size!r}; expected null or an int >= 0 (the tokens "
+                             "before each token that it sees)")
+        if self.window_pattern is not None and (not self.window_pattern or set(self.window_pattern) - {"L", "G"}):
+            raise ValueError(f"model.window_pattern={self.window_pattern!r}; expected null or a string of L (local) "
+                             "and G (global), e.g. 'LG'")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if (self.n_embd // self.n_head) % 2:
             raise ValueError(f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary "
                              "position embeddings")
+
+
+class AttentionMask(NamedTuple):
+    """What a causal query may see besides the keys before it: only its own document (packed batches) and only
+    the ``window`` keys before it. ``documents``: ``flashtrain.trainer.data.Documents`` or None."""
+    documents: object = None
+    window: int | None = None
+
+    def dense(self, seq: int, device) -> torch.Tensor:
+        """The explicit mask, bool (B or 1, 1, T, T), True where query i may see key j."""
+        i = torch.arange(seq, device=device)[:, None]
+        j = torch.arange(seq, device=device)[None, :]
+        visible = j <= i
+        if self.window is not None:
+            visible = visible & (i - j <= self.window)
+        visible = visible[None, None]
+        if self.documents is not None:
+            doc = self.documents.doc_ids.to(device)
+            visible = visible & (doc[:, None, :, None] == doc[:, None, None, :])
+        return visible
+
+
+def layer_windows(config: GPTConfig) -> list[int | None]:
+    """Each layer's sliding window (None: global), from ``window_size`` and ``window_pattern``."""
+    if config.window_size is None:
+        return [None] * config.n_layer
+    pattern = config.window_pattern or "L"
+    return [config.window_size if pattern[i % len(pattern)] == "L" else None for i in range(config.n_layer)]
 
 
 def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device, dtype):
@@ -45,9 +87,10 @@ def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device, dtype):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :hs/2], x[..., hs/2:]) of x (B, T, nh, hs) by the position angles."""
+    """Rotate pairs (x[..., :hs/2], x[..., hs/2:]) of x (B, T, nh, hs) by the position angles, cos and sin
+    (T, hs/2), or (B, T, hs/2) where positions differ by row (documents)."""
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs/2): broadcast over heads
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., T, 1, hs/2): broadcast over heads
     # back to x's dtype: under autocast the tables are fp32 while q, k come out of a bf16 linear layer
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
@@ -60,12 +103,12 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn = attn
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask: AttentionMask):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)  # each (B, T, nh, hs)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # (B, nh, T, hs) views: flash_attention takes them as they are, no copy
-        y = self.attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, T, hs)
+        y = self.attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -82,15 +125,17 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: GPTConfig, attn: Callable):
+    def __init__(self, config: GPTConfig, attn: Callable, window: int | None = None):
         super().__init__()
+        self.window = window
         self.norm1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config, attn)
         self.norm2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.norm1(x), cos, sin)
+    def forward(self, x, cos, sin, documents=None):
+        mask = AttentionMask(documents, self.window)
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -99,7 +144,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config, attn) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, attn, window) for window in layer_windows(config))
         self.norm_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
@@ -119,17 +164,22 @@ class GPT(nn.Module):
         """Parameters, counting the tied embedding once."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean cross-entropy (or None)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, documents=None):
+        """idx, targets: (B, T) token ids; documents: ``flashtrain.trainer.data.Documents`` of idx (attention
+        within each document, rotary positions restarting at each), or None. Returns logits (B, T, vocab) and the
+        mean cross-entropy (or None)."""
         B, T = idx.shape
         x = self.wte(idx)  # (B, T, C)
         cos, sin = rotary_cos_sin(T, self.config.n_embd // self.config.n_head, self.config.rope_base,
                                   idx.device, x.dtype)
+        if documents is not None:
+            positions = documents.positions.to(idx.device)
+            cos, sin = cos[positions], sin[positions]  # (B, T, hs/2)
         for block in self.blocks:
             if self.config.activation_checkpointing and self.training:
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, documents, use_reentrant=False)
             else:
-                x = block(x, cos, sin)
+                x = block(x, cos, sin, documents)
         logits = self.lm_head(self.norm_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:

@@ -8,7 +8,15 @@ import lightning as L
 import torch
 
 from . import backends
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, layer_windows
+
+
+def mean_visible_keys(seq: int, window: int | None) -> float:
+    """Keys a causal query sees on average over ``seq`` positions: (seq + 1) / 2, or fewer under a window of
+    ``window`` keys before it (position i sees min(i, window) + 1)."""
+    if window is None or window >= seq - 1:
+        return (seq + 1) / 2
+    return (window * (window + 1) / 2 + (seq - window) * (window + 1)) / seq
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -31,22 +39,29 @@ class GPTModule(L.LightningModule):
         self.forward_fn = torch.compile(self.model) if compile else self.model
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 x parameters (weights, forward + backward) plus causal attention,
-        12 x layers x heads x head_dim x seq halved for the causal mask (only the lower triangle is computed)."""
+        """Training FLOPs per token: 6 x parameters (weights, forward + backward) plus attention, 12 x head_dim x
+        heads x the keys a query sees on average, per layer: (seq + 1) / 2 causal, fewer in a sliding window.
+        Document masking is not counted (it depends on the batch): MFU then counts each window's full causal work."""
         c = self.model.config
-        return 6 * self.model.num_params() + 0.5 * 12 * c.n_layer * c.n_embd * c.seq_len
+        keys = sum(mean_visible_keys(c.seq_len, window) for window in layer_windows(c))
+        return 6 * self.model.num_params() + 12 * c.n_embd * keys
 
-    def forward(self, idx, targets=None):
-        return self.forward_fn(idx, targets)
+    def forward(self, idx, targets=None, documents=None):
+        return self.forward_fn(idx, targets, documents)
+
+    def step_loss(self, batch: dict):
+        """The mean next-token loss of a batch from ``data.collate``: (B, T) inputs, the shifted targets, and the
+        inputs' documents when document masking is on."""
+        tokens = batch["tokens"]
+        return self(tokens[:, :-1], tokens[:, 1:], batch.get("documents"))[1]
 
     def training_step(self, batch, batch_idx):
-        _, loss = self(batch[:, :-1], batch[:, 1:])  # (B, T) inputs, shifted targets
+        loss = self.step_loss(batch)
         self.log("train/loss", loss, prog_bar=True, on_step=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        _, loss = self(batch[:, :-1], batch[:, 1:])
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/loss", self.step_loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):
         o = self.hparams.optim

@@ -21,6 +21,7 @@ def build(cfg: DictConfig):
         raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps}: expected a positive number of steps (the "
                          "training stream is endless, and the learning-rate schedule spans max_steps)")
     _check_precision(cfg)
+    _check_masks(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -43,6 +44,15 @@ def _check_precision(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.precision={cfg.trainer.precision} with attn={cfg.attn.name} on the CPU: Triton's "
                          "interpreter has no bfloat16 arithmetic; use trainer.precision=32-true (or 16-mixed) on a "
                          "CPU, or attn=sdpa")
+
+
+def _check_masks(cfg: DictConfig) -> None:
+    """The FP8 path has no document masking or windows: refuse the combination before anything is built."""
+    masked = cfg.data.get("document_masking") or cfg.model.get("window_size") is not None
+    if masked and cfg.attn.name == "flash_fp8":
+        raise ValueError(f"attn=flash_fp8 with data.document_masking={cfg.data.get('document_masking')} and "
+                         f"model.window_size={cfg.model.get('window_size')}: the FP8 path has neither yet; "
+                         "use attn=flash")
 
 
 def train(cfg: DictConfig):

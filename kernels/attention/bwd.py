@@ -33,10 +33,10 @@ from .. import tuning
 from ..common import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale, block_d, cdiv, precision_for,
                       split_scale)
 from ..launch import INTERPRET, launch_kernel, on_input_device
-from ..masking import (_dkdv_query_range, _key_block_coords, _query_block_coords, _query_block_key_range, _visible,
-                       causal_sections)
+from ..masking import (Varlen, _key_block_coords, _query_block_coords, _sequence, _tail_rows, _visible,
+                       _window_key_range, _window_query_range, causal_sections, window_mask)
 from . import tiles
-from .fwd import dropout_args, key_bias_arg
+from .fwd import dropout_args, key_bias_arg, varlen_grid
 
 
 @triton.jit
@@ -85,14 +85,16 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
                               seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                              HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr):
+                              HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr,
+                              CAUSAL: tl.constexpr = True, left_offset=0, LOCAL: tl.constexpr = False):
     """Accumulate one query head's query blocks [lo, hi) into dK, dV of the resident key block.
 
     Works on transposed tiles, (BLOCK_N, BLOCK_M), so K and V stay the left operands. Query rows past
     seq_q load as zeros with lse = +inf, so their P is exactly 0 and they add nothing; MASKED adds the
-    causal mask for the blocks that cross the diagonal. EVEN_M (seq_q a multiple of BLOCK_M: no row past
-    seq_q) drops the row masks of the loads: ~20% fewer instructions per loop step, the backward 5-7% faster at
-    head_dim 64 and 16k tokens (docs/performance-notes.md).
+    window's mask for the blocks that cross a diagonal (CAUSAL: the right one, LOCAL: the left one).
+    EVEN_M (seq_q a multiple of BLOCK_M: no row past seq_q) drops the row masks of the loads: ~20% fewer
+    instructions per loop step, the backward 5-7% faster at head_dim 64 and 16k tokens
+    (docs/performance-notes.md).
     """
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -112,7 +114,13 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
             lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that see no key: P = 0
         p_t = tl.exp2(qk_t - lse2[None, :])
         if MASKED:
-            p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
+            if LOCAL:
+                visible = offs_n[:, None] >= rows[None, :] + left_offset
+                if CAUSAL:
+                    visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
+                p_t = tl.where(visible, p_t, 0.0)
+            else:
+                p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=dk.dtype)
         if DROPOUT:
             keep_t = _dropout_keep(seed, rng_base, rows[None, :], offs_n[:, None], seq_k, dropout_p)
@@ -128,7 +136,7 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
 
 @triton.jit(do_not_specialize=["seed", "sections", "WAVE_BUCKET"])
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KB,
+    Q, K, V, DO, LSE, DELTA, DK, DV, KB, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -136,11 +144,12 @@ def attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_kbb,
-    seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
+    seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo, window_left, window_right,
     seed, dropout_p, keep_scale, keep_scale_lo, sections,
     SEQ_BUCKET, WAVE_BUCKET,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, VARLEN: tl.constexpr,  # the window and packing, as in the forward
+    PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     EVEN_M: tl.constexpr,  # seq_q % BLOCK_M == 0 (the launcher tests seq_q % tiles.EVEN_M_MULTIPLE)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -148,9 +157,11 @@ def attention_bwd_dkdv_kernel(
 
     Q, DO: (B, H_q, seq_q, D); K, V, DK, DV: (B, H_kv, seq_k, D); LSE (log2 domain), DELTA: (B, H_q, seq_q)
     contiguous; KB, seed, dropout_p as in the forward. Scales come as ``split_scale`` pairs. sections: the causal
-    launch sections of the (batch, KV head) pairs (``masking.causal_sections``).
+    launch sections of the (batch, KV head) pairs (``masking.causal_sections``). VARLEN: as in the forward, the
+    grid's last batch index zeroing dK, dV of the keys past CU_K[n].
     """
     pid_n, off_hk, off_b = _key_block_coords(sections, CAUSAL)  # causal: heaviest (first) key blocks first
+    b, q_start, k_start, len_q, len_k = _sequence(CU_Q, CU_K, off_b, seq_q, seq_k, VARLEN)
     heads_q = tl.num_programs(1) * GROUP
     acc_dtype = DELTA.dtype.element_ty
     start_n = pid_n * BLOCK_N
@@ -158,47 +169,76 @@ def attention_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k = _load_rows(K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-                   + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                   offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-                   + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                   offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    k_base = K + b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    dk_base = DK + b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
+    dv_base = DV + b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
+    if VARLEN:
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+        dk_base += k_start.to(tl.int64) * stride_dkn
+        dv_base += k_start.to(tl.int64) * stride_dvn
+    k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     bias_n = tl.zeros([BLOCK_N], dtype=acc_dtype)
     if HAS_KEY_BIAS:
         bias_n = _key_bias(KB + off_b.to(tl.int64) * stride_kbb, offs_n, seq_k)
 
-    causal_offset = seq_k - seq_q
-    lo, mid, end = _dkdv_query_range(start_n, seq_q, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    causal_offset = len_k - len_q + window_right  # the window's diagonals, as in the forward
+    left_offset = len_k - len_q - window_left
+    lo, mid, full_hi, hi = _window_query_range(start_n, len_q, len_k, causal_offset, left_offset, CAUSAL, LOCAL,
+                                               BLOCK_M, BLOCK_N, VARLEN)
 
     for g in range(GROUP):  # the query heads sharing this KV head: GQA sum in registers
         off_h = off_hk * GROUP + g
-        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-        do_base = (DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        q_base = Q + b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+        do_base = (DO + b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
                    + offs_d[None, :] * stride_dod)
-        row_base = (off_b.to(tl.int64) * heads_q + off_h) * seq_q  # also the Philox base of this head
-        # stage 1: query blocks crossing the diagonal, masked
+        if VARLEN:
+            q_base += q_start.to(tl.int64) * stride_qm
+            do_base += q_start.to(tl.int64) * stride_dom
+        row_base = (b.to(tl.int64) * heads_q + off_h) * seq_q + q_start  # also the Philox base of this head
+        # stage 1: query blocks crossing the right diagonal, masked
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
                                            bias_n, stride_qm, stride_dom, lo, mid, offs_m, offs_n, offs_d,
-                                           seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                           len_q, len_k, causal_offset, qk_scale, qk_scale_lo,
                                            seed, row_base, dropout_p, keep_scale, keep_scale_lo,
-                                           HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_BIAS, DROPOUT, EVEN_M)
-        # stage 2: query blocks that see the whole key block, no causal mask
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_BIAS, DROPOUT, EVEN_M,
+                                           CAUSAL, left_offset, LOCAL)
+        # stage 2: query blocks that see the whole key block, no mask
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
-                                           bias_n, stride_qm, stride_dom, mid, end, offs_m, offs_n, offs_d,
-                                           seq_q, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                           bias_n, stride_qm, stride_dom, mid, full_hi, offs_m, offs_n, offs_d,
+                                           len_q, len_k, causal_offset, qk_scale, qk_scale_lo,
                                            seed, row_base, dropout_p, keep_scale, keep_scale_lo,
                                            HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_BIAS, DROPOUT, EVEN_M)
+        if LOCAL:  # stage 3: query blocks crossing the window's left edge, masked
+            dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
+                                               bias_n, stride_qm, stride_dom, full_hi, hi, offs_m, offs_n, offs_d,
+                                               len_q, len_k, causal_offset, qk_scale, qk_scale_lo,
+                                               seed, row_base, dropout_p, keep_scale, keep_scale_lo,
+                                               HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_BIAS, DROPOUT,
+                                               EVEN_M, CAUSAL, left_offset, LOCAL)
 
-    out_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
-    dk_ptrs = (DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
-               + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
+    out_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
+    dk_ptrs = dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     tl.store(dk_ptrs, _scale(dk, sm_scale, sm_scale_lo).to(DK.dtype.element_ty), mask=out_mask)
-    dv_ptrs = (DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
-               + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd)
+    dv_ptrs = dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
+
+    if VARLEN:  # keys past the last sequence: no gradient
+        first, stop, step = _tail_rows(CU_K, off_b, pid_n, seq_k, BLOCK_N)
+        for r in range(first, stop, step):
+            rows = r + tl.arange(0, BLOCK_N)
+            tail_mask = (rows[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
+            zeros = tl.zeros([BLOCK_N, BLOCK_D], DK.dtype.element_ty)
+            tl.store(DK + off_hk.to(tl.int64) * stride_dkh + rows[:, None].to(tl.int64) * stride_dkn
+                     + offs_d[None, :] * stride_dkd, zeros, mask=tail_mask)
+            tl.store(DV + off_hk.to(tl.int64) * stride_dvh + rows[:, None].to(tl.int64) * stride_dvn
+                     + offs_d[None, :] * stride_dvd, zeros, mask=tail_mask)
 
 
 @triton.jit
@@ -207,7 +247,8 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, str
                             seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                             MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-                            HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
+                            HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr, left_offset=0,
+                            LOCAL: tl.constexpr = False):
     """Accumulate key blocks [lo, hi) into dQ of the resident query block. MASKED: diagonal and tail."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -219,7 +260,8 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, str
             qk += _key_bias(kb_base, cols, seq_k)[None, :]
         p = tl.exp2(qk - lse2[:, None])
         if MASKED:
-            p = tl.where(_visible(offs_m[:, None], cols[None, :], seq_k, causal_offset, CAUSAL), p, 0.0)
+            p = tl.where(_visible(offs_m[:, None], cols[None, :], seq_k, causal_offset, CAUSAL, left_offset, LOCAL),
+                         p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=dq.dtype)
         if DROPOUT:
             keep = _dropout_keep(seed, rng_base, offs_m[:, None], cols[None, :], seq_k, dropout_p)
@@ -231,23 +273,25 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, str
 
 @triton.jit(do_not_specialize=["seed", "sections", "WAVE_BUCKET"])
 def attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, KB,
+    Q, K, V, DO, LSE, DELTA, DQ, KB, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_kbb,
-    seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo,
+    seq_q, seq_k, sm_scale, sm_scale_lo, qk_scale, qk_scale_lo, window_left, window_right,
     seed, dropout_p, keep_scale, keep_scale_lo, sections,
     SEQ_BUCKET, WAVE_BUCKET,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    CAUSAL: tl.constexpr, LOCAL: tl.constexpr, VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(seq_q, BLOCK_M), H_q, B); sections
-    as in the forward."""
+    as in the forward; VARLEN too, the grid's last batch index zeroing dQ of the rows past CU_Q[n]."""
     pid_m, off_h, off_b = _query_block_coords(sections, CAUSAL)  # causal: heaviest first
+    b, q_start, k_start, len_q, len_k = _sequence(CU_Q, CU_K, off_b, seq_q, seq_k, VARLEN)
     off_hk = off_h // GROUP
     acc_dtype = DELTA.dtype.element_ty
     start_m = pid_m * BLOCK_M
@@ -255,41 +299,64 @@ def attention_bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-                   + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                   offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                    + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                    offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    row = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + offs_m
+    q_base = Q + b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    do_base = DO + b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    dq_base = DQ + b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+    k_base = K + b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+    v_base = V + b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
+    if VARLEN:
+        q_base += q_start.to(tl.int64) * stride_qm
+        do_base += q_start.to(tl.int64) * stride_dom
+        dq_base += q_start.to(tl.int64) * stride_dqm
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+    q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    row = (b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + q_start + offs_m
     # rows past seq_q: lse = +inf gives P = 0 (their dQ is not stored anyway)
-    lse2 = tl.load(LSE + row, mask=offs_m < seq_q, other=float("inf"))
-    if HAS_KEY_BIAS:  # rows that see no key: +inf makes P exactly 0 (exp2(-inf - -inf) would be NaN)
+    lse2 = tl.load(LSE + row, mask=offs_m < len_q, other=float("inf"))
+    if HAS_KEY_BIAS or LOCAL or VARLEN:  # rows that see no key: +inf makes P exactly 0, not exp2(-inf - -inf) = NaN
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-    delta = tl.load(DELTA + row, mask=offs_m < seq_q, other=0.0)
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
+    delta = tl.load(DELTA + row, mask=offs_m < len_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
     kb_base = KB + off_b.to(tl.int64) * stride_kbb
     rng_base = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q
 
-    causal_offset = seq_k - seq_q
-    mid, hi = _query_block_key_range(start_m, seq_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
-    # stage 1: off-band, no causal mask
+    causal_offset = len_k - len_q + window_right  # the window's diagonals, as in the forward
+    left_offset = len_k - len_q - window_left
+    lo, full_lo, mid, hi = _window_key_range(start_m, len_q, len_k, causal_offset, left_offset, CAUSAL, LOCAL,
+                                             BLOCK_M, BLOCK_N, VARLEN)
+    if LOCAL:  # stage 0: blocks crossing the window's left edge
+        dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
+                                     lo, full_lo, offs_m, offs_n, offs_d, len_k, causal_offset, qk_scale, qk_scale_lo,
+                                     seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
+                                     HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION, HAS_KEY_BIAS, DROPOUT,
+                                     left_offset, LOCAL)
+    # stage 1: off-band, no mask
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
-                                 0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                 full_lo, mid, offs_m, offs_n, offs_d, len_k, causal_offset, qk_scale, qk_scale_lo,
                                  seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
                                  HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION, HAS_KEY_BIAS, DROPOUT)
     # stage 2: diagonal blocks and the ragged tail of seq_k
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, stride_kn, stride_vn,
-                                 mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset, qk_scale, qk_scale_lo,
+                                 mid, hi, offs_m, offs_n, offs_d, len_k, causal_offset, qk_scale, qk_scale_lo,
                                  seed, rng_base, dropout_p, keep_scale, keep_scale_lo,
-                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION, HAS_KEY_BIAS, DROPOUT)
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION, HAS_KEY_BIAS, DROPOUT,
+                                 left_offset, LOCAL)
 
-    dq_ptrs = (DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-               + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
+    dq_ptrs = dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, _scale(dq, sm_scale, sm_scale_lo).to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
+             mask=(offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM))
+
+    if VARLEN:  # rows past the last sequence: no gradient
+        first, stop, step = _tail_rows(CU_Q, off_b, pid_m, seq_q, BLOCK_M)
+        for r in range(first, stop, step):
+            rows = r + tl.arange(0, BLOCK_M)
+            tl.store(DQ + off_h.to(tl.int64) * stride_dqh + rows[:, None].to(tl.int64) * stride_dqm
+                     + offs_d[None, :] * stride_dqd, tl.zeros([BLOCK_M, BLOCK_D], DQ.dtype.element_ty),
+                     mask=(rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
 
 
 _attention_bwd_dkdv_tuned = tuning.autotuned(attention_bwd_dkdv_kernel, tiles.DKDV_CANDIDATES,
@@ -318,12 +385,13 @@ def backward_delta(out: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | Non
 
 @on_input_device
 def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
-                  key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0):
+                  key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0,
+                  window_size: tuple[int, int] = (-1, -1), varlen: Varlen | None = None):
     """Launch the backward kernels. Returns (dq, dk, dv), each ``empty_like`` its input.
 
     do, out: (B, H_q, N_q, D); lse: (B, H_q, N_q), the log2-domain LSE from ``attention_fwd``; dlse: the gradient of
-    the natural-log LSE, same shape, or None. Any strides for do, q, k, v, out. key_padding_mask, dropout_p and
-    seed: exactly as given to ``attention_fwd``.
+    the natural-log LSE, same shape, or None. Any strides for do, q, k, v, out. key_padding_mask, dropout_p, seed,
+    window_size and varlen: exactly as given to ``attention_fwd``.
     """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
@@ -334,33 +402,38 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     delta = backward_delta(out, do, dlse, lse)
     bd = block_d(head_dim)
     group = heads_q // heads_kv
+    mask = window_mask(causal, window_size)
+    cu_q, cu_k, grid_q, grid_k, grid_b = varlen_grid(varlen, seq_q, seq_k, batch, delta)
 
-    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal, PRECISION=precision_for(q.dtype),
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=mask.causal, LOCAL=mask.local,
+                VARLEN=varlen is not None, PRECISION=precision_for(q.dtype),
                 HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0)
     kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=delta)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    scalars = (seq_q, seq_k, *split_scale(scale), *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed))
+    scalars = (seq_q, seq_k, *split_scale(scale), *split_scale(scale * LOG2E), mask.left, mask.right,
+               *dropout_args(dropout_p, seed))
     # causal launch sections, counted in the largest tile the tuner may pick: dK/dV streams Q and dO of its KV
     # head's group (with LSE and delta), dQ streams K and V
     row_bytes = 2 * head_dim * q.element_size()
-    dkdv_sections = causal_sections(causal, batch * heads_kv, cdiv(seq_k, tiles.largest_tile("dkdv", head_dim)), 1,
-                                    seq_q, group * (row_bytes + 2 * lse.element_size()), q.device)
-    dq_sections = causal_sections(causal, batch * heads_q, cdiv(seq_q, tiles.largest_tile("dq", head_dim)), group,
-                                  seq_k, row_bytes, q.device)
+    dkdv_sections = causal_sections(mask.causal, grid_b * heads_kv, cdiv(grid_k, tiles.largest_tile("dkdv", head_dim)),
+                                    1, grid_q, group * (row_bytes + 2 * lse.element_size()), q.device)
+    dq_sections = causal_sections(mask.causal, grid_b * heads_q, cdiv(grid_q, tiles.largest_tile("dq", head_dim)),
+                                  group, grid_k, row_bytes, q.device)
     # the tuner's grid-size keys: dK/dV has a program per key block, dQ per query block
-    dkdv_waves = tuning.wave_bucket(batch * heads_kv, seq_k, q.device)
-    dq_waves = tuning.wave_bucket(batch * heads_q, seq_q, q.device)
+    dkdv_waves = tuning.wave_bucket(grid_b * heads_kv, grid_k, q.device)
+    dq_waves = tuning.wave_bucket(grid_b * heads_q, grid_q, q.device)
     fixed = tuning.uses_fixed_tiles(q.dtype)
-    longest = max(seq_q, seq_k)
+    longest = max(grid_q, grid_k)
+    # EVEN_M drops the row masks of the query loads: packed sequences have ragged ends wherever they stop
+    even_m = varlen is None and seq_q % tiles.EVEN_M_MULTIPLE == 0
     tuning.launch_tuned("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
-                        lambda m: (cdiv(seq_k, m["BLOCK_N"]), heads_kv, batch),
-                        (q, k, v, do, lse, delta, dk, dv, kb, *common, *dk.stride(), *dv.stride(), stride_kbb,
-                         *scalars, dkdv_sections, tuning.seq_bucket(seq_q), dkdv_waves),
-                        tiles.fixed_config("dkdv", bd, longest) if fixed else None, **meta,
-                        EVEN_M=seq_q % tiles.EVEN_M_MULTIPLE == 0)
+                        lambda m: (cdiv(grid_k, m["BLOCK_N"]), heads_kv, grid_b),
+                        (q, k, v, do, lse, delta, dk, dv, kb, cu_q, cu_k, *common, *dk.stride(), *dv.stride(),
+                         stride_kbb, *scalars, dkdv_sections, tuning.seq_bucket(grid_q), dkdv_waves),
+                        tiles.fixed_config("dkdv", bd, longest) if fixed else None, **meta, EVEN_M=even_m)
     tuning.launch_tuned("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
-                        lambda m: (cdiv(seq_q, m["BLOCK_M"]), heads_q, batch),
-                        (q, k, v, do, lse, delta, dq, kb, *common, *dq.stride(), stride_kbb,
-                         *scalars, dq_sections, tuning.seq_bucket(seq_k), dq_waves),
+                        lambda m: (cdiv(grid_q, m["BLOCK_M"]), heads_q, grid_b),
+                        (q, k, v, do, lse, delta, dq, kb, cu_q, cu_k, *common, *dq.stride(), stride_kbb,
+                         *scalars, dq_sections, tuning.seq_bucket(grid_k), dq_waves),
                         tiles.fixed_config("dq", bd, longest) if fixed else None, **meta)
     return dq, dk, dv

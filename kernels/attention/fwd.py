@@ -30,7 +30,8 @@ from .. import tuning
 from ..common import (LOG2E, _dropout_keep, _key_bias, _load_rows, _scale, allocate_outputs, block_d, cdiv,
                       lse_dtype, precision_for, split_scale)
 from ..launch import on_input_device
-from ..masking import _query_block_coords, _query_block_key_range, _visible, causal_sections
+from ..masking import (Varlen, _query_block_coords, _sequence, _tail_rows, _visible, _window_key_range, causal_sections,
+                       window_mask)
 from . import tiles
 
 
@@ -41,7 +42,7 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, s
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                          PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
-                         SCALE_EARLY: tl.constexpr):
+                         SCALE_EARLY: tl.constexpr, left_offset=0, LOCAL: tl.constexpr = False):
     """Fold the key blocks [lo, hi) into the running (acc, l_i, m_i). MASKED selects stage 2.
 
     SCALE_EARLY scales the scores right after QK^T (fp64, whose scale has two parts; a key bias, which adds to
@@ -59,7 +60,8 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, s
             if HAS_KEY_BIAS:
                 qk += _key_bias(kb_base, cols, seq_k)[None, :]
         if MASKED:
-            qk = tl.where(_visible(offs_m[:, None], cols[None, :], seq_k, causal_offset, CAUSAL), qk, float("-inf"))
+            qk = tl.where(_visible(offs_m[:, None], cols[None, :], seq_k, causal_offset, CAUSAL, left_offset, LOCAL),
+                          qk, float("-inf"))
         if SCALE_EARLY:
             m_new = tl.maximum(m_i, tl.max(qk, 1))
         else:  # scale > 0 commutes with max: BLOCK_M multiplies here instead of BLOCK_M * BLOCK_N
@@ -88,18 +90,21 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, s
 
 @triton.jit(do_not_specialize=["seed", "sections", "WAVE_BUCKET"])
 def attention_fwd_kernel(
-    Q, K, V, O, LSE, KB,
+    Q, K, V, O, LSE, KB, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_kbb,
-    seq_q, seq_k, qk_scale, qk_scale_lo,
+    seq_q, seq_k, qk_scale, qk_scale_lo, window_left, window_right,
     seed, dropout_p, keep_scale, keep_scale_lo, sections,
     SEQ_BUCKET, WAVE_BUCKET,  # autotune keys only
     GROUP: tl.constexpr,  # query heads per KV head (GQA); 1 for plain multi-head attention
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    CAUSAL: tl.constexpr,  # the right side of the window is bounded (causal: window_right = 0)
+    LOCAL: tl.constexpr,  # the left side is bounded (window_left >= 0)
+    VARLEN: tl.constexpr,  # packed sequences: CU_Q, CU_K give their offsets
+    PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     SCALE_EARLY: tl.constexpr,  # fp64, HAS_KEY_BIAS or scale <= 0: see _attention_fwd_inner
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -111,8 +116,12 @@ def attention_fwd_kernel(
     (read only if HAS_KEY_BIAS).
     (qk_scale, qk_scale_lo) = split_scale(softmax scale * log2(e)); with DROPOUT, (keep_scale,
     keep_scale_lo) = split_scale(1 / (1 - dropout_p)) and ``seed`` keys the Philox stream.
+    (window_left, window_right): the window (``masking``), read where LOCAL or CAUSAL.
+    VARLEN: B = 1, seq_q and seq_k are the packed totals, CU_Q, CU_K (n + 1,) int32 offsets of the n sequences;
+    grid (cdiv(longest seq_q, BLOCK_M), H_q, n + 1), the last index writing the rows past CU_Q[n].
     """
     pid_m, off_h, off_b = _query_block_coords(sections, CAUSAL)  # causal: heaviest first
+    b, q_start, k_start, len_q, len_k = _sequence(CU_Q, CU_K, off_b, seq_q, seq_k, VARLEN)
     off_hk = off_h // GROUP
     acc_dtype = tl.float64 if Q.dtype.element_ty == tl.float64 else tl.float32
 
@@ -121,12 +130,18 @@ def attention_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     # int64 base offsets: B * H * seq * D overflows int32 at long context
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
+    q_base = Q + b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+    v_base = V + b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
+    o_base = O + b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    if VARLEN:
+        q_base += q_start.to(tl.int64) * stride_qm
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+        o_base += q_start.to(tl.int64) * stride_om
 
     q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                   offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+                   offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
     l_i = tl.zeros([BLOCK_M], dtype=acc_dtype)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=acc_dtype)
@@ -134,21 +149,29 @@ def attention_fwd_kernel(
     kb_base = KB + off_b.to(tl.int64) * stride_kbb
     rng_base = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q
 
-    causal_offset = seq_k - seq_q
-    mid, hi = _query_block_key_range(start_m, seq_k, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    causal_offset = len_k - len_q + window_right  # the right diagonal (masking's right_offset)
+    left_offset = len_k - len_q - window_left
+    lo, full_lo, mid, hi = _window_key_range(start_m, len_q, len_k, causal_offset, left_offset, CAUSAL, LOCAL,
+                                             BLOCK_M, BLOCK_N, VARLEN)
 
-    # stage 1: off-band, no causal mask
+    if LOCAL:  # stage 0: blocks crossing the window's left edge
+        acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
+                                             lo, full_lo, offs_m, offs_n, offs_d, len_k, causal_offset,
+                                             qk_scale, qk_scale_lo, seed, rng_base, dropout_p,
+                                             HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION,
+                                             HAS_KEY_BIAS, DROPOUT, SCALE_EARLY, left_offset, LOCAL)
+    # stage 1: off-band, no mask
     acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
-                                         0, mid, offs_m, offs_n, offs_d, seq_k, causal_offset,
+                                         full_lo, mid, offs_m, offs_n, offs_d, len_k, causal_offset,
                                          qk_scale, qk_scale_lo, seed, rng_base, dropout_p,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, PRECISION,
                                          HAS_KEY_BIAS, DROPOUT, SCALE_EARLY)
     # stage 2: blocks crossing the diagonal, and the ragged tail of seq_k
     acc, l_i, m_i = _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, stride_vn,
-                                         mid, hi, offs_m, offs_n, offs_d, seq_k, causal_offset,
+                                         mid, hi, offs_m, offs_n, offs_d, len_k, causal_offset,
                                          qk_scale, qk_scale_lo, seed, rng_base, dropout_p,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION,
-                                         HAS_KEY_BIAS, DROPOUT, SCALE_EARLY)
+                                         HAS_KEY_BIAS, DROPOUT, SCALE_EARLY, left_offset, LOCAL)
 
     # epilogue: one division by the row sum; rows that saw no key have acc = 0, l = 0 -> output 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -157,12 +180,22 @@ def attention_fwd_kernel(
         out = _scale(out, keep_scale, keep_scale_lo)  # 1 / (1 - p) for the kept probabilities
     # kept in the log2 domain: the backward needs it there, and a float literal (ln 2) would be fp32
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    row_ok = offs_m < seq_q
-    o_ptrs = (O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-              + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od)
+    row_ok = offs_m < len_q
+    o_ptrs = o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    lse_ptrs = LSE + (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + offs_m
-    tl.store(lse_ptrs, lse.to(LSE.dtype.element_ty), mask=row_ok)
+    lse_base = LSE + (b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + q_start
+    tl.store(lse_base + offs_m, lse.to(LSE.dtype.element_ty), mask=row_ok)
+
+    if VARLEN:  # rows past the last sequence: zeros, LSE -inf
+        first, stop, step = _tail_rows(CU_Q, off_b, pid_m, seq_q, BLOCK_M)
+        o_tail = O + off_h.to(tl.int64) * stride_oh
+        lse_tail = LSE + off_h.to(tl.int64) * seq_q
+        for r in range(first, stop, step):
+            rows = r + tl.arange(0, BLOCK_M)
+            tl.store(o_tail + rows[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
+                     tl.zeros([BLOCK_M, BLOCK_D], O.dtype.element_ty),
+                     mask=(rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
+            tl.store(lse_tail + rows, tl.full([BLOCK_M], float("-inf"), LSE.dtype.element_ty), mask=rows < seq_q)
 
 
 _attention_fwd_tuned = tuning.autotuned(attention_fwd_kernel, tiles.FWD_CANDIDATES, tiles.FWD_CANDIDATES_WIDE,
@@ -171,13 +204,15 @@ _attention_fwd_tuned = tuning.autotuned(attention_fwd_kernel, tiles.FWD_CANDIDAT
 
 @on_input_device
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                  key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0):
+                  key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0,
+                  window_size: tuple[int, int] = (-1, -1), varlen: Varlen | None = None):
     """Launch the forward kernel. Returns (out, lse).
 
     q: (B, H_q, N_q, D), k/v: (B, H_kv, N_k, D), any strides, validated by the caller.
     key_padding_mask: None, bool (B, N_k) with True = padding, or float (B, N_k) added to the scaled scores
     (``flash_attention``'s semantics). dropout_p in [0, 1), with the Philox ``seed`` (an int in [0, 2**31): one
-    argument type, so one compiled kernel).
+    argument type, so one compiled kernel). window_size: flash-attn's (left, right), -1 unbounded.
+    varlen: packed sequences in a batch of one (B = 1; N_q, N_k the packed totals); no key padding mask or dropout.
     out: like q (same dtype, ``empty_like`` layout); lse: (B, H_q, N_q), the log2-domain LSE (log2 of the row sum
     of exp(scores)), float32 (float64 for fp64 inputs).
     """
@@ -186,24 +221,35 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     out, lse, done = allocate_outputs(q, k)
     if done:
         return out, lse
+    mask = window_mask(causal, window_size)
+    cu_q, cu_k, grid_q, grid_k, grid_b = varlen_grid(varlen, seq_q, seq_k, batch, lse)
 
     def grid(meta):
-        return (cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
+        return (cdiv(grid_q, meta["BLOCK_M"]), heads_q, grid_b)
 
     bd = block_d(head_dim)
     kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=lse)
-    args = (q, k, v, out, lse, kb, *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_kbb,
-            seq_q, seq_k, *split_scale(scale * LOG2E), *dropout_args(dropout_p, seed),
-            causal_sections(causal, batch * heads_q, cdiv(seq_q, tiles.largest_tile("fwd", head_dim)),
-                            heads_q // heads_kv, seq_k, 2 * head_dim * k.element_size(), q.device),
-            tuning.seq_bucket(seq_k), tuning.wave_bucket(batch * heads_q, seq_q, q.device))
-    fixed = tiles.fixed_config("fwd", bd, max(seq_q, seq_k)) if tuning.uses_fixed_tiles(q.dtype) else None
+    args = (q, k, v, out, lse, kb, cu_q, cu_k, *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_kbb,
+            seq_q, seq_k, *split_scale(scale * LOG2E), mask.left, mask.right, *dropout_args(dropout_p, seed),
+            causal_sections(mask.causal, grid_b * heads_q, cdiv(grid_q, tiles.largest_tile("fwd", head_dim)),
+                            heads_q // heads_kv, grid_k, 2 * head_dim * k.element_size(), q.device),
+            tuning.seq_bucket(grid_k), tuning.wave_bucket(grid_b * heads_q, grid_q, q.device))
+    fixed = tiles.fixed_config("fwd", bd, max(grid_q, grid_k)) if tuning.uses_fixed_tiles(q.dtype) else None
     tuning.launch_tuned("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, fixed,
-                        GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=causal,
-                        PRECISION=precision_for(q.dtype), HAS_KEY_BIAS=key_padding_mask is not None,
-                        DROPOUT=dropout_p > 0,
+                        GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=mask.causal,
+                        LOCAL=mask.local, VARLEN=varlen is not None, PRECISION=precision_for(q.dtype),
+                        HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0,
                         SCALE_EARLY=q.dtype == torch.float64 or key_padding_mask is not None or scale <= 0)
     return out, lse
+
+
+def varlen_grid(varlen: Varlen | None, seq_q: int, seq_k: int, batch: int, unused: torch.Tensor):
+    """(cu_q, cu_k, rows_q, rows_k, grid_b): the offsets the kernels take (``unused``, any tensor the launch
+    has, when dense), the sequence lengths the grid is sized for, and the grid's batch axis (the sequences and
+    one more for the rows past the last, when packed)."""
+    if varlen is None:
+        return unused, unused, seq_q, seq_k, batch
+    return varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k, varlen.cu_q.shape[0]
 
 
 def key_bias_arg(key_padding_mask: torch.Tensor | None, like: torch.Tensor,

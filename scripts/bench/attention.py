@@ -86,7 +86,7 @@ def make_provider(name, causal, seq, gqa):
     if name == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     if name == "eager":
-        return lambda q, k, v: attention_backends.eager(q, k, v, causal)
+        return lambda q, k, v: attention_backends.eager(q, k, v, causal=causal)
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         if "fn" not in _flex_cache:

@@ -106,12 +106,15 @@ def attention_jobs(dtype="bf16", quick=False, target_arch=90):
     first candidate of each list; ``target_arch`` 90 adds the Hopper forward and backward."""
     io = f"*{dtype}"
     common_ptr = {"Q": io, "K": io, "V": io, "O": io, "DO": io, "DQ": io, "DK": io, "DV": io, "LSE": "*fp32",
-                  "DELTA": "*fp32", "KB": "*fp32", "DLSE": "*fp32"}
+                  "DELTA": "*fp32", "KB": "*fp32", "DLSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     kinds = [("fwd", attention_fwd_kernel, attention_tiles.FWD_CANDIDATES, attention_tiles.FWD_CANDIDATES_WIDE),
              ("dkdv", attention_bwd_dkdv_kernel, attention_tiles.DKDV_CANDIDATES, attention_tiles.DKDV_CANDIDATES_WIDE),
              ("dq", attention_bwd_dq_kernel, attention_tiles.DQ_CANDIDATES, attention_tiles.DQ_CANDIDATES_WIDE)]
-    variants = [dict(CAUSAL=True, HAS_KEY_BIAS=False, DROPOUT=False), dict(CAUSAL=False, HAS_KEY_BIAS=False, DROPOUT=False),
-                dict(CAUSAL=True, HAS_KEY_BIAS=True, DROPOUT=True)]
+    dense = dict(LOCAL=False, VARLEN=False)
+    variants = [dict(CAUSAL=True, HAS_KEY_BIAS=False, DROPOUT=False, **dense),
+                dict(CAUSAL=False, HAS_KEY_BIAS=False, DROPOUT=False, **dense),
+                dict(CAUSAL=True, HAS_KEY_BIAS=True, DROPOUT=True, **dense),
+                dict(CAUSAL=True, HAS_KEY_BIAS=False, DROPOUT=False, LOCAL=True, VARLEN=True)]
     for name, kernel, narrow, wide in kinds:
         for head_dim, candidates in ((128, narrow), (256, wide)):
             for cfg in candidates[:1] if quick else candidates:
@@ -121,7 +124,7 @@ def attention_jobs(dtype="bf16", quick=False, target_arch=90):
                     if name == "fwd":
                         meta["SCALE_EARLY"] = variant["HAS_KEY_BIAS"]
                     if name == "dkdv":  # both load forms: masked rows (ragged seq_q) and EVEN_M
-                        meta["EVEN_M"] = variant["CAUSAL"]
+                        meta["EVEN_M"] = variant["CAUSAL"] and not variant["VARLEN"]
                     yield (f"{name} D={head_dim} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages} {variant}",
                            kernel, common_ptr, meta, cfg.num_warps, cfg.num_stages)
     if target_arch == 90:  # the warp-specialised forward: sm_90 only (wgmma, setmaxnreg)

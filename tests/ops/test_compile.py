@@ -44,7 +44,7 @@ def test_eager_path_and_custom_ops_agree_bitwise(device):
         torch.manual_seed(0)
         if use_op:
             seed = torch.randint(SEED_BOUND, (), dtype=torch.int64)
-            out, lse2 = _attention_fwd_op(q, k, v, True, 24 ** -0.5, kpm, 0.2, seed)
+            out, lse2 = _attention_fwd_op(q, k, v, True, 24 ** -0.5, kpm, 0.2, seed, -1, -1, None, None, 0, 0)
             lse = (lse2 * 0.6931471805599453).float()
         else:
             out, lse = flash_attention(q, k, v, causal=True, key_padding_mask=kpm, dropout_p=0.2, return_lse=True)

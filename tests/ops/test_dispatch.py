@@ -68,16 +68,21 @@ class _CudaLike:
 
 def test_input_rules_of_the_16bit_hopper_kernels(monkeypatch):
     """A forced Triton tile (tests check every candidate) must run that Triton kernel, not the Hopper one; the
-    Hopper kernels take float16 / bfloat16 without masks or dropout."""
+    Hopper kernels take float16 / bfloat16 without masks, dropout, windows or packed sequences."""
     monkeypatch.setattr(dispatch, "INTERPRET", False)
     fake_cuda = _CudaLike(torch.float16)
+    dense = ((-1, -1), False)
     with forced_configs(fwd=attention_tiles.FWD_CANDIDATES[0]):
-        reason = dispatch._not_16bit_hopper("always", fake_cuda, None, 0.0, ("fwd",))
+        reason = dispatch._not_16bit_hopper("always", fake_cuda, None, 0.0, ("fwd",), *dense)
     assert reason == "a Triton config is forced"
-    assert dispatch._not_16bit_hopper("always", fake_cuda, None, 0.0, ("fwd",)) is None
-    assert "float16 or bfloat16" in dispatch._not_16bit_hopper("always", _CudaLike(torch.float32), None, 0.0, ("fwd",))
-    assert "key padding" in dispatch._not_16bit_hopper("always", fake_cuda, torch.zeros(1, 64), 0.0, ("fwd",))
-    assert "dropout" in dispatch._not_16bit_hopper("always", fake_cuda, None, 0.1, ("fwd",))
+    assert dispatch._not_16bit_hopper("always", fake_cuda, None, 0.0, ("fwd",), *dense) is None
+    assert "float16 or bfloat16" in dispatch._not_16bit_hopper("always", _CudaLike(torch.float32), None, 0.0,
+                                                               ("fwd",), *dense)
+    assert "key padding" in dispatch._not_16bit_hopper("always", fake_cuda, torch.zeros(1, 64), 0.0, ("fwd",), *dense)
+    assert "dropout" in dispatch._not_16bit_hopper("always", fake_cuda, None, 0.1, ("fwd",), *dense)
+    for window, varlen in (((8, 0), False), ((-1, -1), True)):
+        assert "sliding window or packed" in dispatch._not_16bit_hopper("always", fake_cuda, None, 0.0, ("fwd",),
+                                                                       window, varlen)
 
 
 def test_thresholds_per_gpu(monkeypatch):

@@ -191,21 +191,21 @@ def test_data_windows_and_split(tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     dm = TextDataModule(seq_len=31, batch_size=4, files=[str(text)], cache_dir=tmp_path, val_fraction=0.1)
     dm.setup()
-    assert len(dm.train_set) + len(dm.val_set) == len(text.read_bytes()) // 32
-    batch = next(iter(dm.train_dataloader()))
+    assert len(dm.train_set) + len(dm.val_set) == (len(text.read_bytes()) + 1) // 32  # the text, its end token
+    batch = next(iter(dm.train_dataloader()))["tokens"]
     assert batch.shape == (4, 32) and batch.dtype == torch.int64
     jsonl = tmp_path / "rows.jsonl"
     jsonl.write_text("\n".join(json.dumps({"body": "some text " * 20}) for _ in range(10)))
     dm = TextDataModule(seq_len=15, batch_size=2, files=str(jsonl), text_field="body", cache_dir=tmp_path)
     dm.setup()
-    assert next(iter(dm.train_dataloader())).shape == (2, 16)
+    assert next(iter(dm.train_dataloader()))["tokens"].shape == (2, 16)
 
 
 def test_builtin_corpus_is_real_text(tmp_path):
     dm = TextDataModule(seq_len=255, batch_size=2, cache_dir=tmp_path)
     dm.setup()
     assert len(dm.train_set) > 1000  # ~466 KB of Python documentation
-    window = bytes(dm.train_set[0]["ids"].tolist()).decode("utf-8", errors="replace")
+    window = bytes(t for t in dm.train_set[0]["ids"].tolist() if t < 256).decode("utf-8", errors="replace")
     assert sum(c.isalpha() for c in window) > 100
 
 
@@ -264,19 +264,26 @@ def test_compiled_model_trains(tmp_path):
 
 def test_tokenizers_tokenizer(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "the": 1, "fox": 2, "dog": 3},
-                                                           unk_token="[UNK]"))
+    vocab = {"[UNK]": 0, "the": 1, "fox": 2, "dog": 3, "</s>": 4}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
     text = tmp_path / "a.txt"
     text.write_text("the fox the dog a cat " * 50)
-    dm = TextDataModule(seq_len=9, batch_size=2, files=[str(text)], tokenizer=str(path), vocab_size=4,
+    dm = TextDataModule(seq_len=9, batch_size=2, files=[str(text)], tokenizer=str(path), vocab_size=5,
                         cache_dir=tmp_path)
     dm.setup()
-    assert next(iter(dm.train_dataloader())).max() < 4
+    assert next(iter(dm.train_dataloader()))["tokens"].max() < 5
+    assert dm._encode_fn()[1] == 4  # </s> ends each document
     with pytest.raises(ValueError, match="vocab_size=2"):
         TextDataModule(seq_len=9, batch_size=2, files=[str(text)], tokenizer=str(path), vocab_size=2,
+                       cache_dir=tmp_path).setup()
+    del vocab["</s>"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.save(str(path))
+    with pytest.raises(ValueError, match="set data.eod_token"):
+        TextDataModule(seq_len=9, batch_size=2, files=[str(text)], tokenizer=str(path), vocab_size=4,
                        cache_dir=tmp_path).setup()
 
 

@@ -1,0 +1,92 @@
+"""Sliding windows (flash-attn's ``window_size``) against the float64 reference that builds the explicit mask."""
+
+import pytest
+import torch
+
+from flashtrain import flash_attention
+from flashtrain.ops.reference import attention_ref
+from flashtrain.testing import TOLERANCE, assert_close
+
+from .test_attention import make_qkv
+
+# (window_size, causal): windows of 0 and 1, larger than the sequence, one side unbounded, causal capping the right
+WINDOWS = [((0, 0), False), ((1, 1), False), ((5, 3), False), ((7, -1), True), ((-1, 2), False), ((3, 9), True),
+           ((500, 500), False), ((-1, 0), False), ((16, -1), False)]
+# (batch, heads_q, heads_kv, seq_q, seq_k, head_dim): square, GQA with seq_k > seq_q, seq_q > seq_k (rows that see
+# no key under a window), long enough to cross several tiles
+SHAPES = [(2, 2, 2, 37, 37, 24), (1, 4, 2, 29, 50, 40), (1, 2, 1, 45, 30, 16), (1, 2, 1, 129, 129, 16)]
+
+
+def run_pair(q, k, v, window, causal, scale=None):
+    out, lse = flash_attention(q, k, v, causal=causal, window_size=window, scale=scale, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window, scale=scale)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    return (out, lse, grads), (ref, ref_lse, ref_grads)
+
+
+def check(pair, dtype):
+    (out, lse, grads), (ref, ref_lse, ref_grads) = pair
+    tol_out, tol_grad = TOLERANCE[dtype]
+    assert_close("out", out, ref, tol_out)
+    assert_close("lse", lse, ref_lse, max(tol_out, 1e-6))
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(name, g, r, tol_grad)
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("window, causal", WINDOWS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+def test_window_matches_reference(shape, window, causal, device):
+    q, k, v = make_qkv(shape, torch.float64, device, requires_grad=True)
+    check(run_pair(q, k, v, window, causal), torch.float64)
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("window, causal", [((8, -1), True), ((20, 5), False)], ids=str)
+def test_window_low_precision_and_long(window, causal, dtype, device):
+    q, k, v = make_qkv(SHAPES[3], dtype, device, requires_grad=True)
+    check(run_pair(q, k, v, window, causal), dtype)
+
+
+def test_window_with_key_padding_and_scale(device):
+    q, k, v = make_qkv((2, 2, 1, 33, 33, 16), torch.float64, device, requires_grad=True)
+    kpm = torch.zeros(2, 33, dtype=torch.bool, device=device)
+    kpm[1, 20:] = True
+    out = flash_attention(q, k, v, causal=True, window_size=(6, -1), key_padding_mask=kpm, scale=0.7)
+    ref, _ = attention_ref(q, k, v, causal=True, window_size=(6, -1), key_padding_mask=kpm, scale=0.7)
+    assert_close("out", out, ref, 1e-12)
+    dout = torch.randn_like(out)
+    for name, g, r in zip("qkv", torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        assert_close(f"d{name}", g, r, 1e-12)
+
+
+@pytest.mark.parametrize("window, causal", [((3, -1), True), ((2, 4), False)], ids=str)
+def test_window_gradcheck(window, causal, device):
+    q, k, v = make_qkv((1, 2, 1, 19, 19, 8), torch.float64, device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: flash_attention(q, k, v, causal=causal, window_size=window),
+                                    (q, k, v), fast_mode=True)
+
+
+def test_unbounded_window_is_the_dense_op(device):
+    """(-1, -1) is the default; a window covering every key gives the same numbers as none."""
+    q, k, v = make_qkv((1, 2, 2, 40, 40, 16), torch.float64, device)
+    dense = flash_attention(q, k, v, causal=True)
+    assert torch.equal(flash_attention(q, k, v, causal=True, window_size=(-1, -1)), dense)
+    assert_close("out", flash_attention(q, k, v, causal=True, window_size=(100, 100)), dense, 1e-13)
+
+
+@pytest.mark.parametrize("window, error", [((-2, 0), ValueError), ((1,), TypeError), ((1.5, 0), TypeError),
+                                           ("full", TypeError), ((True, 0), TypeError)], ids=str)
+def test_bad_window_is_refused(window, error, device):
+    q, k, v = make_qkv((1, 1, 1, 4, 4, 8), torch.float32, device)
+    with pytest.raises(error, match="window_size"):
+        flash_attention(q, k, v, window_size=window)
+
+
+def test_fp8_refuses_a_window(device):
+    q, k, v = make_qkv((1, 1, 1, 4, 4, 16), torch.float32, device)
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attention(q, k, v, window_size=(2, 0), fp8="forward")
