@@ -12,6 +12,7 @@ BlockMask from a document or window mask_mod), torch_varlen (``torch.nn.attentio
 torch has it; documents only without GQA support), flashtrain_dense (dense causal at the document length).
 
     python scripts/bench/masks.py --out benchmarks/results/masks.csv
+    python scripts/bench/masks.py --report benchmarks/results/masks.csv --readme README.md   # any machine
 """
 
 from __future__ import annotations
@@ -136,12 +137,74 @@ def points(quick: bool):
     return [(c, t, n, *s) for s in shapes for c, t, n in cases]
 
 
+START, END = "<!-- masks-benchmark:start -->", "<!-- masks-benchmark:end -->"
+
+
+def report(path: str) -> str:
+    """The README's table from a results CSV: TFLOP/s fwd / bwd per provider, and flashtrain's ratios to Flex and
+    to its own dense causal rate at the document (window) length."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    rate = {(r["case"], r["T"], r["L"], r["D"], r["H"], r["H_kv"], r["provider"], r["mode"]): r for r in rows}
+    points = list(dict.fromkeys((r["case"], r["T"], r["L"], r["D"], r["H"], r["H_kv"]) for r in rows))
+
+    def tflops(point, provider, mode):
+        r = rate.get((*point, provider, mode))
+        return None if r is None or r["status"] != "ok" else float(r["tflops"])
+
+    def pair(point, provider):
+        f, b = tflops(point, provider, "fwd"), tflops(point, provider, "bwd")
+        return "" if f is None else f"{f:.0f} / {b:.0f}"
+
+    def ratio(point, other):
+        cells = []
+        for mode in ("fwd", "bwd"):
+            ours, theirs = tflops(point, "flashtrain", mode), tflops(point, other, mode)
+            cells.append("" if ours is None or not theirs else f"{ours / theirs:.2f}")
+        return " / ".join(cells)
+
+    first = rows[0]
+    lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; bf16, causal; "
+             "TFLOP/s forward / backward counting only the kept pairs; raw rows: "
+             f"[`{path}`]({path}). Documents: lengths uniform in [L/2, 3L/2]; window: `window_size=(L, 0)`. "
+             "dense: flashtrain's dense causal attention at length L on the same tokens.", "",
+             "| mask | T | L | D | H (H_kv) | flashtrain | flex | torch varlen | dense | vs flex | vs dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for point in points:
+        case, total, length, head_dim, heads, heads_kv = point
+        lines.append(f"| {case} | {int(total) // 1024}k | {length} | {head_dim} | {heads} ({heads_kv}) | "
+                     f"{pair(point, 'flashtrain')} | {pair(point, 'flex')} | {pair(point, 'torch_varlen')} | "
+                     f"{pair(point, 'flashtrain_dense')} | {ratio(point, 'flex')} | "
+                     f"{ratio(point, 'flashtrain_dense')} |")
+    return "\n".join(lines)
+
+
+def write_readme(readme: str, table: str) -> None:
+    with open(readme) as f:
+        text = f.read()
+    if START not in text or END not in text:
+        raise SystemExit(f"{readme}: no {START} ... {END} markers")
+    head, rest = text.split(START, 1)
+    with open(readme, "w") as f:
+        f.write(head + START + "\n" + table + "\n" + END + rest.split(END, 1)[1])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--quick", action="store_true", help="two points, for a smoke run")
+    parser.add_argument("--report", metavar="CSV", help="print the table of a results CSV instead (any machine)")
+    parser.add_argument("--readme", help="with --report: write the table between the README's markers")
     args = parser.parse_args()
+    if args.report:
+        table = report(args.report)
+        print(table)
+        if args.readme:
+            write_readme(args.readme, table)
+        return
+    if not args.out:
+        parser.error("--out is required to run the benchmark")
     providers = args.providers.split(",")
     meta = provenance.provenance()
     warm_up_gpu(3.0)
