@@ -185,8 +185,9 @@ def _window_query_range(start_n, seq_q, seq_k, right_offset, left_offset, CAUSAL
                         LOCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr):
     """(lo, mid, full_hi, hi): the query blocks a dK/dV program with keys [start_n, start_n + BLOCK_N) visits,
     in multiples of BLOCK_M. [lo, mid) crosses the right diagonal (masked), [mid, full_hi) sees every key of the
-    block (no mask), [full_hi, hi) crosses the left diagonal (masked). Without LOCAL, full_hi = hi and this is
-    ``_dkdv_query_range``. VARLEN: a block past its sequence's seq_k visits nothing."""
+    block (no mask), [full_hi, hi) crosses the left diagonal or holds the ragged end of a packed sequence (masked).
+    Without LOCAL or VARLEN, full_hi = hi and this is ``_dkdv_query_range``. VARLEN: a block past its sequence's
+    seq_k visits nothing, and [mid, full_hi) holds whole query blocks only."""
     lo, mid, hi = _dkdv_query_range(start_n, seq_q, right_offset, CAUSAL, BLOCK_M, BLOCK_N)
     full_hi = hi
     if LOCAL:
@@ -200,7 +201,9 @@ def _window_query_range(start_n, seq_q, seq_k, right_offset, left_offset, CAUSAL
         hi = tl.where(start_n < seq_k, hi, 0)
         lo = tl.minimum(lo, hi)
         mid = tl.minimum(mid, hi)
-        full_hi = tl.minimum(full_hi, hi)
+        # only whole query blocks in the unmasked stage, which then loads without row masks: the sequence's ragged
+        # end goes to the last, masked one
+        full_hi = tl.maximum(tl.minimum(full_hi, (seq_q // BLOCK_M) * BLOCK_M), mid)
     return lo, mid, full_hi, hi
 
 

@@ -119,7 +119,7 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
                 if CAUSAL:
                     visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
                 p_t = tl.where(visible, p_t, 0.0)
-            else:
+            elif CAUSAL:
                 p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=dk.dtype)
         if DROPOUT:
@@ -209,13 +209,14 @@ def attention_bwd_dkdv_kernel(
                                            seed, row_base, dropout_p, keep_scale, keep_scale_lo,
                                            HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_BIAS, DROPOUT, EVEN_M,
                                            CAUSAL, left_offset, LOCAL)
-        # stage 2: query blocks that see the whole key block, no mask
+        # stage 2: query blocks that see the whole key block, no mask (packed: whole blocks of the sequence only)
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
                                            bias_n, stride_qm, stride_dom, mid, full_hi, offs_m, offs_n, offs_d,
                                            len_q, len_k, causal_offset, qk_scale, qk_scale_lo,
                                            seed, row_base, dropout_p, keep_scale, keep_scale_lo,
-                                           HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_BIAS, DROPOUT, EVEN_M)
-        if LOCAL:  # stage 3: query blocks crossing the window's left edge, masked
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_BIAS, DROPOUT,
+                                           EVEN_M or VARLEN)
+        if LOCAL or VARLEN:  # stage 3: blocks crossing the window's left edge, or the sequence's ragged end: masked
             dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
                                                bias_n, stride_qm, stride_dom, full_hi, hi, offs_m, offs_n, offs_d,
                                                len_q, len_k, causal_offset, qk_scale, qk_scale_lo,
