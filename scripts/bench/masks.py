@@ -194,6 +194,7 @@ def main():
     parser.add_argument("--out")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--quick", action="store_true", help="two points, for a smoke run")
+    parser.add_argument("--skip", type=int, default=0, help="leave out the first SKIP points (measured already)")
     parser.add_argument("--report", metavar="CSV", help="print the table of a results CSV instead (any machine)")
     parser.add_argument("--readme", help="with --report: write the table between the README's markers")
     args = parser.parse_args()
@@ -212,7 +213,7 @@ def main():
     with open(args.out, "w", newline="") as f:  # rows are written as they come: a cut-off run keeps its points
         writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
         writer.writeheader()
-        for point in points(args.quick):
+        for point in points(args.quick)[args.skip:]:
             for provider in providers:
                 rows = bench_point(point, provider, meta)
                 writer.writerows(rows)
