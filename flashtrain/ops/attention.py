@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from flashtrain.kernels import hopper as hopper_kernels
 from flashtrain.kernels.attention.bwd import attention_bwd
@@ -148,10 +149,15 @@ SEED_BOUND = 2**31 - 1  # seeds stay int32-sized, so every seed runs the same co
 
 
 def attend(*inputs) -> tuple[Tensor, Tensor]:
-    """(out, log2-domain LSE) through the custom op when compiling, else the eager autograd function."""
-    if torch.compiler.is_compiling():
+    """(out, log2-domain LSE) through the custom op when compiling or under a dispatch mode (selective activation
+    checkpointing saves the op's outputs by its name, ``ATTENTION_FORWARD_OPS``), else the eager autograd function."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return _attention_fwd_op(*inputs)
     return _EagerAttention.apply(*inputs)
+
+
+# The forward custom ops, for policies that save their outputs (selective activation checkpointing)
+ATTENTION_FORWARD_OPS = (torch.ops.flashtrain.attention_fwd.default, torch.ops.flashtrain.attention_fp8_fwd.default)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,

@@ -15,6 +15,7 @@ import functools
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from flashtrain.kernels.attention.bwd import attention_bwd
 from flashtrain.kernels.common import LOG2E, cdiv
@@ -329,7 +330,9 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, m
     gradient reaches q and k).
     """
     scale = fp8_forward_scale(q, k, causal, scale, padded_dim(q.shape[-1]) if hadamard else q.shape[-1])
-    attend = _attention_fp8_fwd_op if torch.compiler.is_compiling() else _EagerFP8Attention.apply
+    # the custom op when compiling or under a dispatch mode (selective checkpointing saves it by name)
+    custom = torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+    attend = _attention_fp8_fwd_op if custom else _EagerFP8Attention.apply
     out, lse, *_, k_mean = attend(q, k, v, causal, scale, hadamard, mode == "full", smooth_k)
     if not need_lse:
         return out, None

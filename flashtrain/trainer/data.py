@@ -9,7 +9,8 @@ Sources, in order of precedence:
     ``.py`` files, as the install has its tests or not; site-packages left out): large enough that a few hundred
     steps of 32k tokens see no window twice, so the training loss there measures learning rather than memorising.
 
-Text is tokenised (UTF-8 bytes by default, or a ``tokenizers`` tokenizer file), each document followed by an
+Text is tokenised (UTF-8 bytes by default; ``tokenizer="bpe"``, a byte-level BPE trained on the corpus and cached
+beside it; or a ``tokenizers`` tokenizer file), each document followed by an
 end-of-document token (bytes: id 256, so the byte vocabulary has 257 ids), concatenated and cut into windows of
 ``seq_len + 1`` tokens (inputs and shifted targets), split into train and validation, and cached by ``datasets``
 (its fingerprinted cache files: a second run does not tokenise again). A document is a row of a JSON(L) or hub
@@ -185,8 +186,7 @@ class TextDataModule(L.LightningDataModule):
                 raise ValueError(f"data.vocab_size={self.vocab_size}: byte-level tokens and the end-of-document id "
                                  f"{eod} need at least {max(255, eod) + 1}")
             return (lambda texts: [list(t.encode("utf-8")) for t in texts]), eod
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(self.tokenizer)
+        tok = self._tokenizer()
         if tok.get_vocab_size() > self.vocab_size:
             raise ValueError(f"data.tokenizer has {tok.get_vocab_size()} tokens but data.vocab_size="
                              f"{self.vocab_size}; set data.vocab_size (the model's vocabulary follows it)")
@@ -199,6 +199,34 @@ class TextDataModule(L.LightningDataModule):
         if not 0 <= eod < self.vocab_size:
             raise ValueError(f"data.eod_token={eod} is outside the vocabulary [0, {self.vocab_size})")
         return (lambda texts: [e.ids for e in tok.encode_batch(texts)]), eod
+
+    def _tokenizer(self):
+        """The ``tokenizers`` tokenizer: "bpe", a byte-level BPE of ``vocab_size`` tokens trained on this corpus
+        once and cached beside the data (``tokenizer.load_or_train``), or a tokenizer.json path. A literal
+        end-of-document string inside a text stays text (``encode_special_tokens``)."""
+        from tokenizers import Tokenizer
+
+        from .tokenizer import bpe_path, check_vocab_size, corpus_key, load_or_train
+
+        if self.tokenizer == "bpe":
+            path = bpe_path(self.cache_dir, corpus_key(self._corpus_parts()), check_vocab_size(self.vocab_size))
+            tok = load_or_train(lambda: self._raw()[self.text_field], self.vocab_size, path)
+        else:
+            if not Path(self.tokenizer).is_file():
+                raise FileNotFoundError(f"data.tokenizer={self.tokenizer!r}: no such file; expected 'bpe' (train one "
+                                        "on the corpus) or the path of a tokenizer.json")
+            tok = Tokenizer.from_file(self.tokenizer)
+        tok.encode_special_tokens = True
+        return tok
+
+    def _corpus_parts(self) -> list[str]:
+        """Strings that identify the corpus, for the cached tokenizer's name."""
+        if self.files:
+            return [f"{Path(f).resolve()}:{Path(f).stat().st_size}:{Path(f).stat().st_mtime_ns}" for f in self.files]
+        if self.hub:
+            return [f"hub:{self.hub}:{self.hub_config}:{self.text_field}"]
+        import sys
+        return [f"builtin:{self.builtin}:{sys.version_info[0]}.{sys.version_info[1]}"]
 
     def _packed(self) -> datasets.Dataset:
         """(num_windows,) dataset of 'ids': seq_len + 1 tokens each, cut from the concatenated stream."""

@@ -19,7 +19,34 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+# Activation checkpointing per block: "none" keeps every activation; "full" keeps each block's input and recomputes
+# the block in the backward; "selective" keeps the input and the attention's output and LSE, and recomputes the
+# rest, so the flash forward (the costly part at long context) never runs twice
+CHECKPOINTING = ("none", "selective", "full")
+
+
+def _saved_ops() -> tuple:
+    """The ops whose outputs selective checkpointing keeps: flashtrain's attention forwards and PyTorch's SDPA
+    kernels (as torchtitan's policy does)."""
+    from flashtrain.ops.attention import ATTENTION_FORWARD_OPS
+
+    aten = torch.ops.aten
+    sdpa = [getattr(aten, name).default for name in ("_scaled_dot_product_flash_attention",
+                                                     "_scaled_dot_product_efficient_attention",
+                                                     "_scaled_dot_product_cudnn_attention")
+            if hasattr(aten, name)]
+    return (*ATTENTION_FORWARD_OPS, *sdpa)
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_contexts():
+    """Selective checkpointing's context pair: the attention forwards' outputs saved, everything else recomputed."""
+    return create_selective_checkpoint_contexts(_keep_attention)
 
 
 @dataclass
@@ -32,11 +59,16 @@ class GPTConfig:
     mlp_ratio: int = 4
     rope_base: float = 10000.0
     bias: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none | selective | full (see ``checkpoint_contexts``)
     window_size: int | None = None  # sliding-window attention over the W previous tokens (None: none)
     window_pattern: str | None = None  # local ("L") and global ("G") layers, cycled; None: all local
 
     def __post_init__(self):
+        if isinstance(self.activation_checkpointing, bool):  # the older boolean form
+            self.activation_checkpointing = "full" if self.activation_checkpointing else "none"
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"model.activation_checkpointing={self.activation_checkpointing!r}; expected one of "
+                             f"{CHECKPOINTING}")
         if self.window_size is not None and (isinstance(self.window_size, bool) or not isinstance(self.window_size, int)
                                              or self.window_size < 0):
             raise ValueError(f"model.window_size={self.window_size!r}; expected null or an int >= 0 (the tokens "
@@ -175,9 +207,12 @@ class GPT(nn.Module):
         if documents is not None:
             positions = documents.positions.to(idx.device)
             cos, sin = cos[positions], sin[positions]  # (B, T, hs/2)
+        mode = self.config.activation_checkpointing if self.training else "none"
         for block in self.blocks:
-            if self.config.activation_checkpointing and self.training:
+            if mode == "full":
                 x = checkpoint(block, x, cos, sin, documents, use_reentrant=False)
+            elif mode == "selective":
+                x = checkpoint(block, x, cos, sin, documents, use_reentrant=False, context_fn=checkpoint_contexts)
             else:
                 x = block(x, cos, sin, documents)
         logits = self.lm_head(self.norm_f(x))  # (B, T, vocab)

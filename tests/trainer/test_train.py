@@ -244,7 +244,7 @@ def test_step_sampler_is_resumable_and_sharded():
 def test_activation_checkpointing_and_accumulation_keep_the_losses(tmp_path):
     base = [*SMALL, "attn=sdpa", "logger=csv", "trainer.max_steps=3", "callbacks.checkpoint=null"]
     train(config(*base, f"output_dir={tmp_path / 'plain'}"))
-    train(config(*base, "model.activation_checkpointing=true", f"output_dir={tmp_path / 'ckpt'}"))
+    train(config(*base, "model.activation_checkpointing=full", f"output_dir={tmp_path / 'ckpt'}"))
     plain, recomputed = losses_by_step(read_metrics(tmp_path / "plain")), losses_by_step(read_metrics(tmp_path / "ckpt"))
     assert plain == pytest.approx(recomputed, rel=1e-6)
     # two micro-batches of 1 per optimizer step instead of one batch of 2: same tokens per step, counted

@@ -1,0 +1,56 @@
+"""Activation checkpointing: "selective" and "full" give the gradients of "none"; "selective" keeps the attention's
+output and LSE, so the attention forward runs once per layer and step, where "full" runs it twice."""
+
+import pytest
+import torch
+
+from flashtrain.ops import attention as attention_op
+from flashtrain.trainer import backends
+from flashtrain.trainer.data import BYTE_EOD, find_documents
+from flashtrain.trainer.model import GPT, GPTConfig
+
+
+def gradients(mode, attn, documents=None):
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=BYTE_EOD + 1, seq_len=40, n_layer=2, n_head=2, n_embd=32,
+                       activation_checkpointing=mode, window_size=6, window_pattern="LG")
+    model = GPT(config, backends.get(attn)).double().train()
+    tokens = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(1))
+    tokens[0, 12] = BYTE_EOD
+    docs = find_documents(tokens[:, :-1], BYTE_EOD) if documents else None
+    _, loss = model(tokens[:, :-1], tokens[:, 1:], docs)
+    return loss, torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("documents", [False, True], ids=["dense", "documents"])
+def test_checkpointing_keeps_the_gradients_and_skips_the_attention_recompute(documents, monkeypatch):
+    calls = []
+    real = attention_op.forward_kernels
+    monkeypatch.setattr(attention_op, "forward_kernels", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    results = {}
+    for mode in ("none", "selective", "full"):
+        calls.clear()
+        results[mode] = gradients(mode, "flash", documents)
+        results[mode] += (len(calls),)
+    loss, grads, forwards = results["none"]
+    assert forwards == 2  # one attention forward per layer
+    for mode, expected in (("selective", 2), ("full", 4)):
+        assert results[mode][0].item() == pytest.approx(loss.item(), rel=1e-12)
+        for g, r in zip(results[mode][1], grads):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+        assert results[mode][2] == expected, mode
+
+
+def test_selective_checkpointing_with_sdpa():
+    loss, grads = gradients("none", "sdpa")
+    sel_loss, sel_grads = gradients("selective", "sdpa")
+    assert sel_loss.item() == pytest.approx(loss.item(), rel=1e-12)
+    for g, r in zip(sel_grads, grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+def test_bad_checkpointing_mode():
+    with pytest.raises(ValueError, match="model.activation_checkpointing='some'"):
+        GPTConfig(activation_checkpointing="some")
+    assert GPTConfig(activation_checkpointing=True).activation_checkpointing == "full"
