@@ -253,7 +253,8 @@ class TextDataModule(L.LightningDataModule):
         packed = self._packed()
         if len(packed) < 2:
             raise ValueError(f"the corpus gives {len(packed)} window(s) of seq_len + 1 = {self.seq_len + 1} tokens; "
-                             "need at least 2 (train and validation): use more text or a shorter seq_len")
+                             "need at least 2 (train and validation): use more text (data.builtin=python_stdlib, "
+                             "10-30 MB; data.files=[...]; data.hub=NAME) or a shorter seq_len")
         n_val = max(1, int(len(packed) * self.val_fraction))
         split = packed.train_test_split(test_size=n_val, seed=self.seed, shuffle=True)
         self.train_set = split["train"].with_format("torch")

@@ -180,6 +180,7 @@ class GPT(nn.Module):
         self.norm_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
+        self._rotary: dict = {}  # (length, device, dtype) -> the cos, sin tables: built once per length
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith(("proj.weight", "down.weight")):
@@ -192,6 +193,16 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def rotary_tables(self, seq: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos, sin tables (seq, head_dim / 2), computed once per (length, device, dtype)."""
+        key = (seq, torch.device(device), dtype)
+        if key not in self._rotary:
+            if len(self._rotary) >= 8:  # a few lengths at a time (training, validation, generation)
+                self._rotary.clear()
+            self._rotary[key] = rotary_cos_sin(seq, self.config.n_embd // self.config.n_head, self.config.rope_base,
+                                               device, dtype)
+        return self._rotary[key]
+
     def num_params(self) -> int:
         """Parameters, counting the tied embedding once."""
         return sum(p.numel() for p in self.parameters())
@@ -202,8 +213,7 @@ class GPT(nn.Module):
         mean cross-entropy (or None)."""
         B, T = idx.shape
         x = self.wte(idx)  # (B, T, C)
-        cos, sin = rotary_cos_sin(T, self.config.n_embd // self.config.n_head, self.config.rope_base,
-                                  idx.device, x.dtype)
+        cos, sin = self.rotary_tables(T, idx.device, x.dtype)
         if documents is not None:
             positions = documents.positions.to(idx.device)
             cos, sin = cos[positions], sin[positions]  # (B, T, hs/2)

@@ -9,6 +9,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from .config import parse_tokens
 from .data import TextDataModule
 from .module import GPTModule
 
@@ -22,6 +23,7 @@ def build(cfg: DictConfig):
                          "training stream is endless, and the learning-rate schedule spans max_steps)")
     _check_precision(cfg)
     _check_masks(cfg)
+    _report_tokens_per_step(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -44,6 +46,15 @@ def _check_precision(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.precision={cfg.trainer.precision} with attn={cfg.attn.name} on the CPU: Triton's "
                          "interpreter has no bfloat16 arithmetic; use trainer.precision=32-true (or 16-mixed) on a "
                          "CPU, or attn=sdpa")
+
+
+def _report_tokens_per_step(cfg: DictConfig) -> None:
+    """Say so when the batch (a whole number of sequences) does not hold tokens_per_step tokens."""
+    asked, seq = parse_tokens(cfg.tokens_per_step), cfg.data.seq_len
+    actual = cfg.data.batch_size * seq
+    if actual != asked:
+        log.warning("tokens_per_step=%s (%d tokens) is not a whole number of seq_len=%d sequences: each step trains "
+                    "on %d x %d = %d tokens", cfg.tokens_per_step, asked, seq, cfg.data.batch_size, seq, actual)
 
 
 def _check_masks(cfg: DictConfig) -> None:

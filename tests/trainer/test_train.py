@@ -296,3 +296,20 @@ def test_bad_hub_name_is_a_clear_error(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "ValueError: data.hub='no-such-user/no-such-dataset'" in result.stderr, result.stderr[-2000:]
+
+
+def test_tokens_per_step_that_is_not_whole_sequences_is_reported(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="flashtrain.trainer.train"):
+        build(config(*SMALL, "tokens_per_step=100", f"output_dir={tmp_path}"))
+    assert "each step trains on 1 x 64 = 64 tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="flashtrain.trainer.train"):
+        build(config(*SMALL, f"output_dir={tmp_path}"))
+    assert "tokens_per_step" not in caplog.text
+
+
+def test_a_corpus_too_short_names_the_options_that_give_more(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("hello world " * 10)
+    with pytest.raises(ValueError, match="data.builtin=python_stdlib"):
+        TextDataModule(seq_len=4096, batch_size=2, files=[str(text)], cache_dir=tmp_path).setup()
