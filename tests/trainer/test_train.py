@@ -91,6 +91,10 @@ def test_bf16_on_the_cpu_is_refused_before_training(attn, tmp_path):
 def test_experiment_composes(tmp_path):
     cfg = config("+experiment=long_context_16k", f"output_dir={tmp_path}", name="train")
     assert cfg.data.seq_len == 16384 and cfg.model.n_layer == 12 and cfg.attn.name == "flash"
+    cfg = config("+experiment=long_context_1m", f"output_dir={tmp_path}", name="train")
+    assert cfg.data.seq_len == 2**20 and cfg.data.batch_size == 1 and cfg.model.activation_checkpointing == "selective"
+    cfg = config("+experiment=long_context_256k_medium", f"output_dir={tmp_path}", name="train")
+    assert cfg.data.seq_len == 2**18 and cfg.model.n_layer == 24 and cfg.data.builtin == "python_stdlib"
 
 
 @pytest.mark.interpreter
