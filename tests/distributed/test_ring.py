@@ -1,0 +1,46 @@
+"""Context parallelism on this machine: gloo processes run ring_attention through Triton's interpreter and compare
+it with flash_attention on the full sequence in float64 (outputs, LSE, dq, dk, dv); the layout's round trip and its
+errors. Each case runs tests/distributed/ring_worker.py in a subprocess of P spawned processes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtrain import flash_attention
+from flashtrain.distributed import positions, ring_attention, shard_sequence, unshard_sequence
+
+WORKER = Path(__file__).with_name("ring_worker.py")
+
+
+def run_worker(world: int, case: str, port: int) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONSAFEPATH": "1"}
+    result = subprocess.run([sys.executable, str(WORKER), str(world), case, str(port)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world, cases", [(2, "causal,full,odd_dim"), (4, "gqa_causal,errors")])
+def test_ring_attention_equals_full_attention(world, cases):
+    """One process group per world size runs several cases (spawning the processes costs more than a case)."""
+    stdout = run_worker(world, cases, 29600 + world)
+    for case in cases.split(","):
+        assert stdout.count(f" {case}: ") == world, stdout  # every rank reported the case
+
+
+def test_one_process_falls_through_to_flash_attention(device):
+    """No process group (or a group of one): the shard is the whole sequence and ring_attention is the op."""
+    q, k, v = (torch.randn(1, 2, 12, 8, dtype=torch.float64, device=device) for _ in range(3))
+    assert shard_sequence(q, 2) is q and unshard_sequence(q, 2) is q
+    assert torch.equal(positions(12, 0, 1), torch.arange(12))
+    assert torch.equal(ring_attention(q, k, v, causal=True), flash_attention(q, k, v, causal=True))
+
+
+def test_positions_of_the_load_balanced_layout():
+    assert positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
