@@ -78,8 +78,11 @@ def cell(series):
     return " / ".join(parts) if any(parts) else ""
 
 
-def speed_table(df):
+def speed_table(df, seqs=None):
+    """TFLOP/s fwd / bwd per provider, a row per shape; ``seqs``: only these N (the README's subset of the grid)."""
     speed = df[df["mode"].isin(["fwd", "bwd"])]
+    if seqs:
+        speed = speed[speed["N"].isin(seqs)]
     providers = [p for p in SPEED_PROVIDERS if p in set(speed["provider"])]
     lines = ["| D | N | B x H (H_kv) | causal | " + " | ".join(providers) + " |",
              "|---|---|---|---|" + "---|" * len(providers)]
@@ -209,6 +212,8 @@ def main(argv=None):
     parser.add_argument("--plot", help="write a PNG here")
     parser.add_argument("--readme", help="refresh this README's benchmark section")
     parser.add_argument("--fp8", action="store_true", help="the FP8 table (flashtrain_fp8* against flashtrain)")
+    parser.add_argument("--seqs", type=lambda s: [int(n) for n in s.split(",")],
+                        help="only these sequence lengths in the speed table, e.g. 1024,4096,16384,32768")
     parser.add_argument("--gpu-time", help="with --fp8: a CSV of forward GPU times (provider, D, N, B, H, causal, "
                                            "fwd_gpu_us) for an extra column")
     args = parser.parse_args(argv)
@@ -237,7 +242,9 @@ def main(argv=None):
             replace_section(args.readme, FP8_START, FP8_END, text)
         return
     text = (source + " Forward / backward. " + flex_note(df) + " `RuntimeError`: SDPA's efficient backend needs "
-            "as many KV heads as query heads (no GQA).\n\n" + speed_table(df)
+            "as many KV heads as query heads (no GQA)."
+            + (f" N = {', '.join(map(str, args.seqs))} of the grid; the CSV has every point." if args.seqs else "")
+            + "\n\n" + speed_table(df, args.seqs)
             + "\n\nPeak memory of forward + backward beyond the inputs, GiB (B=1, H=16, D=128, causal, bf16):\n\n"
             + memory_table(df))
     print(text)

@@ -40,11 +40,12 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/bench: the shared provenance columns
 import provenance  # noqa: E402
 
-FIELDS = ["attn", "seq", "seed", "model", "params_m", "batch", "tokens_per_step", "steps", "step_time_s", "tokens_per_s",
-          "tflops", "mfu", "peak_alloc_gib", "peak_reserved_gib", "status", "overrides", *provenance.FIELDS]
+FIELDS = ["attn", "seq", "seed", "model", "variant", "params_m", "batch", "tokens_per_step", "steps", "first_step_s",
+          "step_time_s", "tokens_per_s", "tflops", "mfu", "peak_alloc_gib", "peak_reserved_gib", "status", "overrides",
+          *provenance.FIELDS]
 
 
-def run_one(attn, seq, seed, args, tmp):
+def run_one(attn, seq, seed, args, tmp, model="gpt2-small", variant=("", [])):
     import lightning as L
     import torch
     from hydra import compose, initialize_config_dir
@@ -68,26 +69,31 @@ def run_one(attn, seq, seed, args, tmp):
             self.losses.append(float(outputs["loss"]))
 
     name, _, fp8 = attn.partition(":")
-    overrides = [f"attn={name}", *([f"attn.fp8={fp8}"] if fp8 else []), f"seq_len={seq}", f"model={args.model}", f"tokens_per_step={args.tokens_per_step}",
+    variant_name, variant_overrides = variant
+    tokens_per_step = max(args.tokens_per_step, seq)  # at least one sequence a step
+    overrides = [f"attn={name}", *([f"attn.fp8={fp8}"] if fp8 else []), f"seq_len={seq}", f"model={model}",
+                 f"tokens_per_step={tokens_per_step}",
                  f"trainer.max_steps={args.steps}", "trainer.enable_progress_bar=false", "~logger",
                  "callbacks.checkpoint=null", "trainer.val_check_interval=1000000", f"output_dir={tmp}",
                  "+trainer.enable_model_summary=false", "+trainer.enable_checkpointing=false",
-                 *([f"seed={seed}"] if seed is not None else []), *args.overrides]
+                 *([f"seed={seed}"] if seed is not None else []), *args.overrides, *variant_overrides]
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     datamodule, module, trainer = build(cfg)
     timer = StepTimer()
     trainer.callbacks.append(timer)
-    row = dict(attn=attn, seq=seq, seed=cfg.seed, model=args.model, params_m=f"{module.model.num_params() / 1e6:.1f}",
-               batch=cfg.data.batch_size, tokens_per_step=cfg.data.batch_size * cfg.data.seq_len, steps=args.steps,
-               overrides=" ".join(args.overrides))
+    row = dict(attn=attn, seq=seq, seed=cfg.seed, model=model, variant=variant_name,
+               params_m=f"{module.model.num_params() / 1e6:.1f}", batch=cfg.data.batch_size,
+               tokens_per_step=cfg.data.batch_size * cfg.data.seq_len, steps=args.steps,
+               overrides=" ".join([*args.overrides, *variant_overrides]))
     try:
         trainer.fit(module, datamodule=datamodule)
         step = statistics.median(timer.times[args.warmup:])
         tokens_per_s = row["tokens_per_step"] / step
         tflops = tokens_per_s * module.flops_per_token() / 1e12
         peak = peak_tflops_for(torch.device("cuda"), None)
-        row.update(step_time_s=f"{step:.4f}", tokens_per_s=f"{tokens_per_s:.0f}", tflops=f"{tflops:.1f}",
+        row.update(first_step_s=f"{timer.times[0]:.2f}", step_time_s=f"{step:.4f}", tokens_per_s=f"{tokens_per_s:.0f}",
+                   tflops=f"{tflops:.1f}",
                    mfu=f"{tflops / peak:.3f}" if peak else "",
                    peak_alloc_gib=f"{torch.cuda.max_memory_allocated() / 2**30:.2f}",
                    peak_reserved_gib=f"{torch.cuda.max_memory_reserved() / 2**30:.2f}", status="ok")
@@ -115,19 +121,21 @@ def bench(args):
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, restval="", extrasaction="ignore")
         writer.writeheader()
-        for seq in args.seqs:
-            for seed in args.seeds or [None]:
-                for attn in args.attn:
-                    run_row(attn, seq, seed, args, meta, writer, f, losses_file)
+        for model in args.models:
+            for variant in args.variants:
+                for seq in args.seqs:
+                    for seed in args.seeds or [None]:
+                        for attn in args.attn:
+                            run_row(attn, seq, seed, args, meta, writer, f, losses_file, model, variant)
     if args.tuning_out:
         from flashtrain.kernels import tuning
 
         tuning.write_tuning_picks(args.tuning_out)
 
 
-def run_row(attn, seq, seed, args, meta, writer, f, losses_file):
+def run_row(attn, seq, seed, args, meta, writer, f, losses_file, model="gpt2-small", variant=("", [])):
     """One run: its CSV row, its losses (if asked), a line on stdout."""
-    row = dict(run_one(attn, seq, seed, args, Path(args.tmp) / f"{attn}-{seq}"), **meta)
+    row = dict(run_one(attn, seq, seed, args, Path(args.tmp) / f"{attn}-{seq}", model, variant), **meta)
     writer.writerow(row)
     f.flush()
     if losses_file:
@@ -144,6 +152,8 @@ def report(path, plot_path=None):
     of panels per model) from a bench/training.py CSV."""
     with open(path) as f:
         rows = list(csv.DictReader(f))
+    for r in rows:  # a variant (vocabulary, masks) is a model of its own in the table and the plot
+        r["model"] = f"{r.get('model', '')} {r['variant']}".strip() if r.get("variant") else r.get("model", "")
     models = list(dict.fromkeys(r.get("model", "") for r in rows))
     attns = list(dict.fromkeys(r["attn"] for r in rows))  # in the order they were run
     get: dict = {}
@@ -276,12 +286,21 @@ def plot_losses(path, plot_path):
     return "\n".join(summarise_losses(curves))
 
 
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """'bpe=data.tokenizer=bpe,data.vocab_size=32768' -> ('bpe', ['data.tokenizer=bpe', 'data.vocab_size=32768'])."""
+    name, _, overrides = text.partition("=")
+    return name, [o for o in overrides.split(",") if o]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/training.csv")
     parser.add_argument("--attn", nargs="+", default=["eager", "sdpa", "flash"])
     parser.add_argument("--seqs", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--model", default="gpt2-small")
+    parser.add_argument("--models", "--model", nargs="+", default=["gpt2-small"])
+    parser.add_argument("--variants", nargs="+", type=parse_variant, default=[("", [])],
+                        help="named override sets, each run for every point: NAME=KEY=VALUE,KEY=VALUE (NAME= for "
+                             "none), e.g. byte= bpe=data.tokenizer=bpe,data.vocab_size=32768")
     parser.add_argument("--tokens-per-step", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)

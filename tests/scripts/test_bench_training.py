@@ -71,10 +71,19 @@ def test_report_table(tmp_path):
                                  peak_alloc_gib="13.04", **common))
         writer.writerow(dict(attn="flash", seq=4096, seed=1, status="ok", tokens_per_s=2000, peak_alloc_gib="9.5",
                              **{**common, "model": "gpt2-small-h128"}))
+        writer.writerow(dict(attn="flash", seq=4096, seed=1, status="ok", tokens_per_s=900, peak_alloc_gib="14.0",
+                             variant="bpe", **common))
     table = bench_training.report(str(path))
     assert "| model | seq | eager | flash |" in table
     assert "| gpt2-small | 4096 | OOM | 1,000 (13.0) |" in table  # several seeds: the first
     assert "| gpt2-small-h128 | 4096 |  | 2,000 (9.5) |" in table  # a row per model, in the order run
+    assert "| gpt2-small bpe | 4096 |  | 900 (14.0) |" in table  # a variant is a row of its own
+
+
+def test_variants_parse():
+    assert bench_training.parse_variant("bpe=data.tokenizer=bpe,data.vocab_size=32768") == (
+        "bpe", ["data.tokenizer=bpe", "data.vocab_size=32768"])
+    assert bench_training.parse_variant("byte=") == ("byte", [])
 
 
 @pytest.mark.parametrize("argv", [["--seeds", "1", "x"], ["--seeds"]])
