@@ -20,6 +20,9 @@ from .launch import INTERPRET, launch_kernel, sm_count
 
 SEQ_BUCKET_CAP = 16384  # sequences from here on share one pick: the fastest tile no longer changes with length
 WAVE_BUCKET_ROWS = 128  # rows a program, for counting a launch's programs before its tile is known
+# Longer launches tune on a proxy: the shape cut to the rows that give the same tuning keys (``proxy_rows``), so a
+# first call at 1M tokens times each candidate on 64k-256k rows instead of the whole launch
+TUNE_PROXY_ABOVE = 65536
 
 # the autotuner adds the tensors' dtypes; the window, varlen, key-bias and dropout variants are tuned apart
 TUNE_KEY = ["HEAD_DIM", "CAUSAL", "LOCAL", "VARLEN", "SEQ_BUCKET", "WAVE_BUCKET", "PRECISION", "HAS_KEY_BIAS",
@@ -39,6 +42,19 @@ def wave_bucket(pairs: int, rows: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return min(next_power_of_2(cdiv(pairs * cdiv(rows, WAVE_BUCKET_ROWS), sm_count(device))), 8)
+
+
+def proxy_rows(pairs: int, seq: int, device: torch.device) -> int | None:
+    """Rows of the proxy a launch of ``pairs`` (batch, head) pairs of ``seq`` rows tunes on, or None (it tunes on
+    itself): the shortest power of two from SEQ_BUCKET_CAP whose grid falls in the launch's wave bucket, so the
+    proxy's tuning keys (sequence and wave buckets) are the launch's; only from TUNE_PROXY_ABOVE rows, and only
+    where the proxy is at most half the launch."""
+    if seq <= TUNE_PROXY_ABOVE:
+        return None
+    want, rows = wave_bucket(pairs, seq, device), SEQ_BUCKET_CAP
+    while wave_bucket(pairs, rows, device) < want:
+        rows *= 2
+    return rows if 2 * rows <= seq else None
 
 
 def _time_candidate(kernel_call, quantiles):
@@ -105,11 +121,12 @@ def write_tuning_picks(path: str) -> int:
     return len(_picks)
 
 
-def launch_tuned(name: str, tuned, kernel, grid_fn, args, fixed: dict | None, **meta) -> None:
+def launch_tuned(name: str, tuned, kernel, grid_fn, args, fixed: dict | None, proxy=None, **meta) -> None:
     """Launch ``kernel`` ('fwd', 'dkdv' or 'dq') with a forced config, with ``fixed`` (the interpreter's and
     float64's tiles; None on the autotuned path), or with the config ``tuned``, its autotuned wrapper, picks (the
     first launch of a key tunes, later ones reuse the pick). ``args`` ends with the SEQ_BUCKET and WAVE_BUCKET
-    keys; ``grid_fn`` maps the config's meta-parameters to a grid."""
+    keys; ``grid_fn`` maps the config's meta-parameters to a grid. ``proxy``: None, or a function returning the
+    (grid_fn, args) of a smaller launch with the same keys, which the first launch of a key tunes on instead."""
     if name in _forced:
         cfg = _forced[name]
     elif fixed is not None:
@@ -117,10 +134,14 @@ def launch_tuned(name: str, tuned, kernel, grid_fn, args, fixed: dict | None, **
     else:
         key = (name, *args[-2:], *(a.dtype for a in args if isinstance(a, torch.Tensor)), *meta.items())
         cfg = _picks.get(key)
-        if cfg is None:
+        if cfg is None and proxy is None:
             tuned[grid_fn](*args, **meta)
             _picks[key] = tuned.best_config.all_kwargs()
             return
+        if cfg is None:
+            proxy_grid, proxy_args = proxy()
+            tuned[proxy_grid](*proxy_args, **meta)
+            cfg = _picks[key] = tuned.best_config.all_kwargs()
     launch_kernel(kernel, grid_fn(cfg), *args, **meta, **cfg)
 
 

@@ -410,31 +410,53 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
                 VARLEN=varlen is not None, PRECISION=precision_for(q.dtype),
                 HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0)
     kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=delta)
-    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    scalars = (seq_q, seq_k, *split_scale(scale), *split_scale(scale * LOG2E), mask.left, mask.right,
-               *dropout_args(dropout_p, seed))
-    # causal launch sections, counted in the largest tile the tuner may pick: dK/dV streams Q and dO of its KV
-    # head's group (with LSE and delta), dQ streams K and V
+    # the tuner's keys: dK/dV has a program per key block, dQ per query block
+    dkdv_keys = (tuning.seq_bucket(grid_q), tuning.wave_bucket(grid_b * heads_kv, grid_k, q.device))
+    dq_keys = (tuning.seq_bucket(grid_k), tuning.wave_bucket(grid_b * heads_q, grid_q, q.device))
     row_bytes = 2 * head_dim * q.element_size()
-    dkdv_sections = causal_sections(mask.causal, grid_b * heads_kv, cdiv(grid_k, tiles.largest_tile("dkdv", head_dim)),
-                                    1, grid_q, group * (row_bytes + 2 * lse.element_size()), q.device)
-    dq_sections = causal_sections(mask.causal, grid_b * heads_q, cdiv(grid_q, tiles.largest_tile("dq", head_dim)),
-                                  group, grid_k, row_bytes, q.device)
-    # the tuner's grid-size keys: dK/dV has a program per key block, dQ per query block
-    dkdv_waves = tuning.wave_bucket(grid_b * heads_kv, grid_k, q.device)
-    dq_waves = tuning.wave_bucket(grid_b * heads_q, grid_q, q.device)
+
+    def launch_args(q, k, v, do, lse, delta, dq, dk, dv, kb, rows_q, rows_k, grid_q, grid_k):
+        """(dK/dV's, dQ's) kernel arguments for these tensors (the launch's, or its tuning proxy's) under the
+        launch's keys. Causal launch sections are counted in the largest tile the tuner may pick: dK/dV streams Q
+        and dO of its KV head's group (with LSE and delta), dQ streams K and V."""
+        common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+        scalars = (rows_q, rows_k, *split_scale(scale), *split_scale(scale * LOG2E), mask.left, mask.right,
+                   *dropout_args(dropout_p, seed))
+        dkdv_sections = causal_sections(mask.causal, grid_b * heads_kv,
+                                        cdiv(grid_k, tiles.largest_tile("dkdv", head_dim)), 1, grid_q,
+                                        group * (row_bytes + 2 * lse.element_size()), q.device)
+        dq_sections = causal_sections(mask.causal, grid_b * heads_q, cdiv(grid_q, tiles.largest_tile("dq", head_dim)),
+                                      group, grid_k, row_bytes, q.device)
+        return ((q, k, v, do, lse, delta, dk, dv, kb, cu_q, cu_k, *common, *dk.stride(), *dv.stride(), stride_kbb,
+                 *scalars, dkdv_sections, *dkdv_keys),
+                (q, k, v, do, lse, delta, dq, kb, cu_q, cu_k, *common, *dq.stride(), stride_kbb, *scalars,
+                 dq_sections, *dq_keys))
+
+    rows = tuning.proxy_rows(batch * heads_q, seq_q, q.device) if varlen is None and seq_q == seq_k else None
+
+    def proxy_args():
+        """The first ``rows`` rows of every tensor (LSE and delta copied: the kernels index them by their length);
+        the gradients' first rows are written again by the launch that follows."""
+        cut = [t[:, :, :rows] for t in (q, k, v, do)]
+        stats = [t[:, :, :rows].contiguous() for t in (lse, delta)]
+        return launch_args(*cut, *stats, dq[:, :, :rows], dk[:, :, :rows], dv[:, :, :rows],
+                           kb[:, :rows] if key_padding_mask is not None else delta, rows, rows, rows, rows)
+
+    dkdv_args, dq_args = launch_args(q, k, v, do, lse, delta, dq, dk, dv, kb, seq_q, seq_k, grid_q, grid_k)
     fixed = tuning.uses_fixed_tiles(q.dtype)
     longest = max(grid_q, grid_k)
     # EVEN_M drops the row masks of the query loads: packed sequences have ragged ends wherever they stop
     even_m = varlen is None and seq_q % tiles.EVEN_M_MULTIPLE == 0
     tuning.launch_tuned("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
-                        lambda m: (cdiv(grid_k, m["BLOCK_N"]), heads_kv, grid_b),
-                        (q, k, v, do, lse, delta, dk, dv, kb, cu_q, cu_k, *common, *dk.stride(), *dv.stride(),
-                         stride_kbb, *scalars, dkdv_sections, tuning.seq_bucket(grid_q), dkdv_waves),
-                        tiles.fixed_config("dkdv", bd, longest) if fixed else None, **meta, EVEN_M=even_m)
+                        lambda m: (cdiv(grid_k, m["BLOCK_N"]), heads_kv, grid_b), dkdv_args,
+                        tiles.fixed_config("dkdv", bd, longest) if fixed else None,
+                        None if rows is None else lambda: (lambda m: (cdiv(rows, m["BLOCK_N"]), heads_kv, batch),
+                                                           proxy_args()[0]),
+                        **meta, EVEN_M=even_m)
     tuning.launch_tuned("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
-                        lambda m: (cdiv(grid_q, m["BLOCK_M"]), heads_q, grid_b),
-                        (q, k, v, do, lse, delta, dq, kb, cu_q, cu_k, *common, *dq.stride(), stride_kbb,
-                         *scalars, dq_sections, tuning.seq_bucket(grid_k), dq_waves),
-                        tiles.fixed_config("dq", bd, longest) if fixed else None, **meta)
+                        lambda m: (cdiv(grid_q, m["BLOCK_M"]), heads_q, grid_b), dq_args,
+                        tiles.fixed_config("dq", bd, longest) if fixed else None,
+                        None if rows is None else lambda: (lambda m: (cdiv(rows, m["BLOCK_M"]), heads_q, batch),
+                                                           proxy_args()[1]),
+                        **meta)
     return dq, dk, dv

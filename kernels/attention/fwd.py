@@ -229,13 +229,28 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
     bd = block_d(head_dim)
     kb, stride_kbb = key_bias_arg(key_padding_mask, q, unused=lse)
-    args = (q, k, v, out, lse, kb, cu_q, cu_k, *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_kbb,
-            seq_q, seq_k, *split_scale(scale * LOG2E), mask.left, mask.right, *dropout_args(dropout_p, seed),
-            causal_sections(mask.causal, grid_b * heads_q, cdiv(grid_q, tiles.largest_tile("fwd", head_dim)),
-                            heads_q // heads_kv, grid_k, 2 * head_dim * k.element_size(), q.device),
-            tuning.seq_bucket(grid_k), tuning.wave_bucket(grid_b * heads_q, grid_q, q.device))
+    keys = (tuning.seq_bucket(grid_k), tuning.wave_bucket(grid_b * heads_q, grid_q, q.device))
+
+    def launch_args(q, k, v, out, lse, kb, rows_q, rows_k, grid_q, grid_k):
+        """The kernel's arguments for these tensors (the launch's, or its tuning proxy's) under the launch's keys."""
+        return (q, k, v, out, lse, kb, cu_q, cu_k, *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_kbb,
+                rows_q, rows_k, *split_scale(scale * LOG2E), mask.left, mask.right, *dropout_args(dropout_p, seed),
+                causal_sections(mask.causal, grid_b * heads_q, cdiv(grid_q, tiles.largest_tile("fwd", head_dim)),
+                                heads_q // heads_kv, grid_k, 2 * head_dim * k.element_size(), q.device), *keys)
+
+    def proxy():
+        """The first ``rows`` rows of every tensor (a fresh LSE: the kernel indexes it by its length)."""
+        p_lse = torch.empty(batch, heads_q, rows, device=q.device, dtype=lse.dtype)
+        p_kb = kb[:, :rows] if key_padding_mask is not None else p_lse
+        return ((lambda meta: (cdiv(rows, meta["BLOCK_M"]), heads_q, batch)),
+                launch_args(q[:, :, :rows], k[:, :, :rows], v[:, :, :rows], out[:, :, :rows], p_lse, p_kb, rows,
+                            rows, rows, rows))
+
+    args = launch_args(q, k, v, out, lse, kb, seq_q, seq_k, grid_q, grid_k)
     fixed = tiles.fixed_config("fwd", bd, max(grid_q, grid_k)) if tuning.uses_fixed_tiles(q.dtype) else None
+    rows = tuning.proxy_rows(batch * heads_q, seq_q, q.device) if varlen is None and seq_q == seq_k else None
     tuning.launch_tuned("fwd", _attention_fwd_tuned, attention_fwd_kernel, grid, args, fixed,
+                        proxy if rows is not None else None,
                         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=mask.causal,
                         LOCAL=mask.local, VARLEN=varlen is not None, PRECISION=precision_for(q.dtype),
                         HAS_KEY_BIAS=key_padding_mask is not None, DROPOUT=dropout_p > 0,

@@ -47,3 +47,39 @@ def test_seq_bucket():
     """Sequence lengths share a pick within a power of two, and every length from SEQ_BUCKET_CAP on shares one."""
     assert [tuning.seq_bucket(n) for n in (0, 1, 2, 3, 1000, 1024, 1025)] == [1, 1, 2, 4, 1024, 1024, 2048]
     assert tuning.seq_bucket(tuning.SEQ_BUCKET_CAP * 8) == tuning.seq_bucket(tuning.SEQ_BUCKET_CAP)
+
+
+def test_proxy_rows(monkeypatch):
+    """A long launch tunes on a proxy with its keys: the shortest power of two from SEQ_BUCKET_CAP rows in its wave
+    bucket; short launches (and proxies no shorter than half the launch) tune on themselves."""
+    monkeypatch.setattr(tuning, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    assert tuning.proxy_rows(4, tuning.TUNE_PROXY_ABOVE, cuda) is None
+    rows = tuning.proxy_rows(4, 2**20, cuda)  # 1M tokens, 4 heads: 32k rows a head fill 7.8 (bucket 8) waves
+    assert rows == 32768
+    assert tuning.wave_bucket(4, rows, cuda) == tuning.wave_bucket(4, 2**20, cuda) == 8
+    assert tuning.wave_bucket(4, rows // 2, cuda) < 8 and tuning.seq_bucket(rows) == tuning.seq_bucket(2**20)
+    assert tuning.proxy_rows(1, 2**20, cuda) == 2**17
+    assert tuning.proxy_rows(1, 2**18 - 1, cuda) is None  # no shorter than half: tune on the launch
+
+
+def test_a_launch_tunes_on_its_proxy_and_runs_with_the_pick(monkeypatch):
+    """On a key's first launch the autotuner runs the proxy's arguments; the launch itself then runs once with the
+    pick, which later launches of the key reuse without tuning."""
+    monkeypatch.setattr(tuning, "_picks", {})
+    calls = []
+
+    class Tuned:
+        best_config = type("Config", (), {"all_kwargs": lambda self: {"BLOCK_M": 64}})()
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(("tune", grid({"BLOCK_M": 64}), args))
+
+    monkeypatch.setattr(tuning, "launch_kernel", lambda kernel, grid, *args, **kw: calls.append(("run", grid, args)))
+    real_args = (torch.zeros(4), 1 << 20, 16384, 8)
+    proxy = lambda: (lambda m: (65536 // m["BLOCK_M"],), (torch.zeros(2), 65536, 16384, 8))  # noqa: E731
+    for _ in range(2):
+        tuning.launch_tuned("fwd", Tuned(), None, lambda m: ((1 << 20) // m["BLOCK_M"],), real_args, None, proxy,
+                            HEAD_DIM=64)
+    assert [(c[0], c[1]) for c in calls] == [("tune", (1024,)), ("run", (16384,)), ("run", (16384,))]
+    assert calls[0][2][1] == 65536 and calls[1][2][1] == 1 << 20
