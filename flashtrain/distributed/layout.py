@@ -48,6 +48,12 @@ def shard_sequence(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     rank, size = group_rank_size(group)
     if size == 1:
         return x
+    return shard_sequence_for(x, dim, rank, size)
+
+
+def shard_sequence_for(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """``shard_sequence`` for a given rank of a group of ``size``, without a process group (data loaders, the
+    one-GPU simulation)."""
     _check_divisible(x.shape[dim], size, "shard_sequence", f"x (dim {dim})")
     chunks = x.chunk(2 * size, dim=dim)
     first, second = chunk_ids(rank, size)

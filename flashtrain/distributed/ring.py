@@ -103,6 +103,56 @@ def _wait(requests) -> None:
         request.wait()
 
 
+def merge(out: Tensor | None, lse: Tensor | None, rows, o_blk: Tensor, lse_blk: Tensor):
+    """Fold a partial attention (o_blk, its natural-log lse_blk, on query ``rows``) into (out, lse), both in the
+    accumulator's dtype; (o_blk, lse_blk) themselves when out is None (the first step covers every row)."""
+    if out is None:
+        return o_blk, lse_blk
+    o_acc, lse_acc = out[:, :, rows], lse[:, :, rows]
+    out[:, :, rows] = o_acc - torch.sigmoid(lse_blk - lse_acc)[..., None] * (o_acc - o_blk)
+    lse[:, :, rows] = lse_acc - F.logsigmoid(lse_acc - lse_blk)
+    return out, lse
+
+
+def rank_forward(q: Tensor, kv_of, rank: int, size: int, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Rank ``rank``'s forward without communication: (out in q's dtype, log2-domain LSE) of its shard q against
+    every rank's keys and values, ``kv_of(j)`` -> (k, v) of rank j, in ring order. The one-GPU simulation of the
+    ring (scripts/bench/ring.py) times it rank by rank."""
+    half = q.shape[2] // 2
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = lse = None
+    for step in range(size):
+        j = (rank - step) % size
+        k_j, v_j = kv_of(j)
+        rows, keys, blk_causal = _step_blocks(step, j, rank, causal, half)
+        o_blk, lse2_blk = forward_kernels(q[:, :, rows], k_j[:, :, keys], v_j[:, :, keys], blk_causal, scale, None,
+                                          0.0, 0)
+        out, lse = merge(out, lse, rows, o_blk.to(acc_dtype), lse2_blk.to(acc_dtype) * LN2)
+    return out.to(q.dtype), (lse / LN2).to(acc_dtype)
+
+
+def rank_backward(dout: Tensor, q: Tensor, out: Tensor, lse2: Tensor, kv_of, rank: int, size: int, causal: bool,
+                  scale: float):
+    """Rank ``rank``'s backward without communication: (dq, {j: (dk_j, dv_j)}) in the accumulator's dtype, its
+    shares of every rank's key and value gradients (which the ring sends home)."""
+    half = q.shape[2] // 2
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dkv = {}
+    for step in range(size):
+        j = (rank - step) % size
+        k_j, v_j = kv_of(j)
+        rows, keys, blk_causal = _step_blocks(step, j, rank, causal, half)
+        dq_blk, dk_blk, dv_blk = backward_kernels(dout[:, :, rows], q[:, :, rows], k_j[:, :, keys], v_j[:, :, keys],
+                                                  out[:, :, rows], lse2[:, :, rows], None, blk_causal, scale)
+        dq[:, :, rows] += dq_blk
+        dk = torch.zeros(k_j.shape, dtype=acc_dtype, device=q.device)
+        dv = torch.zeros(v_j.shape, dtype=acc_dtype, device=q.device)
+        dk[:, :, keys], dv[:, :, keys] = dk_blk.to(acc_dtype), dv_blk.to(acc_dtype)
+        dkv[j] = (dk, dv)
+    return dq, dkv
+
+
 def _step_blocks(step: int, j: int, rank: int, causal: bool, half: int):
     """(query rows, key rows, causal) of step ``step``'s partial attention against rank j's keys, or the rows as
     slices of the local shards (see the module docstring)."""
@@ -130,13 +180,7 @@ class _RingAttention(torch.autograd.Function):
             rows, keys, blk_causal = _step_blocks(step, j, rank, causal, half)
             o_blk, lse2_blk = forward_kernels(q[:, :, rows], k_cur[:, :, keys], v_cur[:, :, keys], blk_causal, scale,
                                               None, 0.0, 0)
-            o_blk, lse_blk = o_blk.to(acc_dtype), lse2_blk.to(acc_dtype) * LN2
-            if out is None:  # step 0 covers every row, each of which sees at least its own key
-                out, lse = o_blk, lse_blk
-            else:
-                o_acc, lse_acc = out[:, :, rows], lse[:, :, rows]
-                out[:, :, rows] = o_acc - torch.sigmoid(lse_blk - lse_acc)[..., None] * (o_acc - o_blk)
-                lse[:, :, rows] = lse_acc - F.logsigmoid(lse_acc - lse_blk)
+            out, lse = merge(out, lse, rows, o_blk.to(acc_dtype), lse2_blk.to(acc_dtype) * LN2)
             if pending is not None:
                 _wait(pending[0])
                 k_cur, v_cur = pending[1]

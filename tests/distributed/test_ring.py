@@ -44,3 +44,35 @@ def test_one_process_falls_through_to_flash_attention(device):
 def test_positions_of_the_load_balanced_layout():
     assert positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("size, causal", [(2, True), (3, True), (2, False)])
+def test_rank_by_rank_simulation_equals_full_attention(size, causal, device):
+    """The ring's compute run rank after rank (scripts/bench/ring.py's simulation): the ranks' outputs, LSEs and
+    gradients (each rank's dK/dV shares summed, as the ring sends them home) are the full sequence's."""
+    from flashtrain.distributed.layout import shard_sequence_for
+    from flashtrain.distributed.ring import rank_backward, rank_forward
+    from flashtrain.ops.lse import LN2
+
+    gen = torch.Generator().manual_seed(size)
+    q, dout = (torch.randn(1, 4, 12 * size, 16, generator=gen, dtype=torch.float64).to(device) for _ in range(2))
+    k, v = (torch.randn(1, 2, 12 * size, 16, generator=gen, dtype=torch.float64).to(device) for _ in range(2))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*full, causal=causal, return_lse=True)
+    out.backward(dout)
+    shards = [[shard_sequence_for(t, 2, r, size) for t in (q, k, v, dout)] for r in range(size)]
+    dk = [torch.zeros_like(shards[r][1]) for r in range(size)]
+    dv = [torch.zeros_like(shards[r][2]) for r in range(size)]
+    for r in range(size):
+        q_r, _, _, dout_r = shards[r]
+        out_r, lse_r = rank_forward(q_r, lambda j: shards[j][1:3], r, size, causal, 0.25)
+        torch.testing.assert_close(out_r, shard_sequence_for(out.detach(), 2, r, size), rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse_r * LN2, shard_sequence_for(lse.double(), 2, r, size), rtol=0, atol=1e-6)
+        dq_r, dkv = rank_backward(dout_r, q_r, out_r, lse_r, lambda j: shards[j][1:3], r, size, causal, 0.25)
+        torch.testing.assert_close(dq_r, shard_sequence_for(full[0].grad, 2, r, size), rtol=0, atol=1e-12)
+        for j, (dk_j, dv_j) in dkv.items():
+            dk[j] += dk_j
+            dv[j] += dv_j
+    for r in range(size):
+        torch.testing.assert_close(dk[r], shard_sequence_for(full[1].grad, 2, r, size), rtol=0, atol=1e-12)
+        torch.testing.assert_close(dv[r], shard_sequence_for(full[2].grad, 2, r, size), rtol=0, atol=1e-12)
