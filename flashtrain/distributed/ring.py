@@ -92,7 +92,7 @@ def _exchange(tensors: list[Tensor], group, rank: int, size: int):
     """Start sending ``tensors`` to the next rank and receiving the previous rank's into new buffers; returns
     (the requests, the buffers)."""
     nxt, prev = _peers(group, rank, size)
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prev, group) for r in received]
     return dist.batch_isend_irecv(ops), received

@@ -3,7 +3,8 @@
 Each is ``attn(q, k, v, mask=None) -> out`` on (B, nh, T, hs) tensors, ``mask`` a ``model.AttentionMask`` (the
 documents and the sliding window, or None); ``conf/attn/*.yaml`` name them (with options, e.g. ``fp8: forward``)
 and ``get`` looks them up. flash runs documents as packed sequences (``flash_attention_varlen``) and windows in the
-kernels; sdpa and eager build the explicit (T, T) mask.
+kernels; sdpa and eager build the explicit (T, T) mask. Only flash runs context parallelism (a mask with a process
+group: ``ring_attention`` over the ranks' shards).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from flashtrain.distributed import ring_attention
 from flashtrain.ops.attention import flash_attention
 from flashtrain.ops.varlen import flash_attention_varlen
 
@@ -23,8 +25,18 @@ def _window(mask) -> tuple[int, int]:
     return (-1, -1) if mask is None or mask.window is None else (mask.window, 0)
 
 
+def _refuse_context_parallel(name: str, mask) -> None:
+    if mask is not None and mask.group is not None:
+        raise ValueError(f"attn={name} has no context parallelism (ring attention); use attn=flash")
+
+
 def flash(q, k, v, mask=None):
-    """flashtrain's Triton kernels; documents as packed sequences, one launch for the batch."""
+    """flashtrain's Triton kernels; documents as packed sequences, one launch for the batch; with a context-parallel
+    group, ``ring_attention`` over the group's shards (q, k, v: this rank's (B, nh, T / P, hs))."""
+    if mask is not None and mask.group is not None:
+        if mask.documents is not None or mask.window is not None:
+            raise ValueError("attn=flash with context parallelism has no document masking or sliding windows yet")
+        return ring_attention(q, k, v, causal=True, group=mask.group)
     if mask is None or mask.documents is None:
         return flash_attention(q, k, v, causal=True, window_size=_window(mask))
     B, H, T, D = q.shape
@@ -41,12 +53,14 @@ def flash_fp8(q, k, v, mask=None, fp8: str = "forward", hadamard: bool = True, s
     ``flash_attention``'s Hadamard rotation and K smoothing (both on by default). No documents or windows."""
     if mask is not None and (mask.documents is not None or mask.window is not None):
         raise ValueError("attn=flash_fp8 has no document masking or sliding windows yet; use attn=flash")
+    _refuse_context_parallel("flash_fp8", mask)
     return flash_attention(q, k, v, causal=True, fp8=fp8, hadamard=hadamard, smooth_k=smooth_k)
 
 
 def sdpa(q, k, v, mask=None):
     """PyTorch's scaled_dot_product_attention (it picks cuDNN / flash / efficient / math itself); documents and
     windows through an explicit (T, T) boolean mask."""
+    _refuse_context_parallel("sdpa", mask)
     if mask is None or (mask.documents is None and mask.window is None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.shape[-2], q.device))
@@ -54,6 +68,7 @@ def sdpa(q, k, v, mask=None):
 
 def eager(q, k, v, mask=None, causal: bool = True):
     """Matmul, softmax, matmul: the full (T, T) score matrix in memory, as unfused PyTorch code has it."""
+    _refuse_context_parallel("eager", mask)
     T = q.shape[-2]
     scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, T, T)
     if mask is not None:

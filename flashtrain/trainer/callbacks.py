@@ -12,6 +12,8 @@ import time
 import lightning as L
 import torch
 
+from .data import input_tokens
+
 # Dense bf16 tensor-core peak per GPU, TFLOP/s (vendor datasheets, without sparsity).
 PEAK_TFLOPS = {
     "NVIDIA H200": 989.4,
@@ -35,7 +37,7 @@ def peak_tflops_for(device: torch.device, override: float | None) -> float | Non
 
 class ThroughputLogger(L.Callback):
     """Every ``log_every_n_steps`` optimizer steps, log over the steps since the last log:
-    perf/tokens_per_s (all processes), perf/tflops (per GPU), perf/mfu, perf/step_time_s, perf/lr,
+    perf/tokens_per_s (all processes, each token once), perf/tflops (per GPU), perf/mfu, perf/step_time_s, perf/lr,
     and on CUDA perf/peak_mem_allocated_gib and perf/peak_mem_reserved_gib (peaks since ``warmup_steps``).
 
     FLOPs per token come from the LightningModule's ``flops_per_token()``.
@@ -61,7 +63,9 @@ class ThroughputLogger(L.Callback):
         if self._t0 is not None and step > self._step0:
             steps = step - self._step0
             step_time = (now - self._t0) / steps
-            tokens_per_step = batch["tokens"][:, :-1].numel() * trainer.accumulate_grad_batches * trainer.world_size
+            # this process's input tokens x every process: a context-parallel shard is 1/P of its sequences, so
+            # each token counts once
+            tokens_per_step = input_tokens(batch) * trainer.accumulate_grad_batches * trainer.world_size
             tokens_per_s = tokens_per_step / step_time
             tflops = tokens_per_s * pl_module.flops_per_token() / trainer.world_size / 1e12  # per device
             metrics = {"perf/tokens_per_s": tokens_per_s, "perf/step_time_s": step_time, "perf/tflops": tflops,

@@ -24,6 +24,10 @@ model sees its whole context, as GPT-2-style pretraining on concatenated text do
 Batches come from ``StepSampler``: the k-th training sample is a pure function of (seed, k), so a run
 resumed from a checkpoint at step s sees exactly the batches the original run saw after step s, on any
 number of processes.
+
+With ``context_parallel=P`` (``flashtrain.trainer.parallel``) the P ranks of a context-parallel group read the same
+samples, and each gets its shard of every sequence in the load-balanced layout (``flashtrain.distributed``):
+{"inputs", "targets", "positions"} instead of {"tokens"}.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from .parallel import context_rank, data_rank
 
 BUILTIN_CORPORA = ("python_docs", "python_stdlib")
 BYTE_EOD = 256  # the byte vocabulary's end-of-document id, after the 256 byte values
@@ -137,7 +142,8 @@ class TextDataModule(L.LightningDataModule):
     def __init__(self, seq_len: int, batch_size: int, files=None, hub: str | None = None, hub_config=None,
                  text_field: str = "text", tokenizer: str | None = None, vocab_size: int = BYTE_EOD + 1,
                  val_fraction: float = 0.02, seed: int = 1234, num_workers: int = 0, cache_dir=None,
-                 builtin: str = "python_docs", document_masking: bool = False, eod_token: int | None = None):
+                 builtin: str = "python_docs", document_masking: bool = False, eod_token: int | None = None,
+                 context_parallel: int = 1):
         super().__init__()
         if int(seq_len) < 1 or int(batch_size) < 1:
             raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be positive integers")
@@ -149,6 +155,7 @@ class TextDataModule(L.LightningDataModule):
         check_builtin(builtin)  # here, not at setup: a wrong name fails when the config is built
         self.builtin = builtin
         self.val_fraction, self.seed, self.num_workers = val_fraction, seed, num_workers
+        self.context_parallel = int(context_parallel)  # ranks that split each sequence (one shard each)
         self.cache_dir = Path(cache_dir or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
                               / "flashtrain")
         self.consumed_samples = 0  # restored from checkpoints (state_dict below)
@@ -261,9 +268,13 @@ class TextDataModule(L.LightningDataModule):
         self.val_set = split["test"].with_format("torch")
 
     # --- loaders -------------------------------------------------------------------------------------------
-    def _world(self):
+    def _global(self) -> tuple[int, int]:
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _world(self) -> tuple[int, int]:
+        """(data-parallel rank, replicas): the ranks of a context-parallel group share one sample stream."""
+        return data_rank(*self._global(), self.context_parallel)
 
     def train_dataloader(self):
         rank, world = self._world()
@@ -277,8 +288,13 @@ class TextDataModule(L.LightningDataModule):
 
     @property
     def collate(self):
-        """Rows -> {"tokens": (B, seq_len + 1)}, plus "documents" (``Documents`` of the inputs) when masking."""
-        return functools.partial(collate, eod=self._encode_fn()[1] if self.document_masking else None)
+        """Rows -> {"tokens": (B, seq_len + 1)}, plus "documents" (``Documents`` of the inputs) when masking; with
+        context_parallel > 1, this rank's shards {"inputs", "targets", "positions"} (``collate``)."""
+        eod = self._encode_fn()[1] if self.document_masking else None
+        if self.context_parallel == 1:
+            return functools.partial(collate, eod=eod)
+        rank = context_rank(self._global()[0], self.context_parallel)
+        return functools.partial(collate, eod=eod, context_rank=rank, context_size=self.context_parallel)
 
     # --- resumption ----------------------------------------------------------------------------------------
     def state_dict(self):
@@ -291,9 +307,36 @@ class TextDataModule(L.LightningDataModule):
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def collate(rows, eod: int | None = None) -> dict:
-    """The batch of ``rows``: {"tokens": (B, seq_len + 1)}, and with ``eod`` the "documents" of its inputs."""
+def collate(rows, eod: int | None = None, context_rank: int = 0, context_size: int = 1) -> dict:
+    """The batch of ``rows``: {"tokens": (B, seq_len + 1)}, and with ``eod`` the "documents" of its inputs.
+
+    With ``context_size`` P > 1, shard ``context_rank`` of every sequence in the load-balanced layout (chunks c and
+    2P-1-c of 2P): {"inputs": (B, seq_len / P), "targets": (B, seq_len / P), "positions": (seq_len / P,) the global
+    positions of those tokens} (no documents: ring attention has no document masking)."""
     tokens = torch.stack([r["ids"] for r in rows])
+    if context_size > 1:
+        if eod is not None:
+            raise ValueError(f"data.document_masking with context_parallel={context_size}: ring attention has no "
+                             "document masking yet")
+        return shard_tokens(tokens, context_rank, context_size)
     if eod is None:
         return {"tokens": tokens}
     return {"tokens": tokens, "documents": find_documents(tokens[:, :-1], eod)}
+
+
+def shard_tokens(tokens: torch.Tensor, rank: int, size: int) -> dict:
+    """Shard ``rank`` of P = ``size`` of (B, T + 1) token windows: {"inputs", "targets"} (B, T / P) and "positions"
+    (T / P,), the layout of ``flashtrain.distributed.shard_sequence`` (computed here without a process group)."""
+    from flashtrain.distributed import positions  # here: flashtrain.distributed imports the Triton kernels
+
+    seq = tokens.shape[1] - 1
+    if seq % (2 * size):
+        raise ValueError(f"seq_len={seq} with context_parallel={size}: expected a multiple of 2 x context_parallel "
+                         f"= {2 * size}")
+    index = positions(seq, rank, size)
+    return {"inputs": tokens[:, :-1][:, index], "targets": tokens[:, 1:][:, index], "positions": index}
+
+
+def input_tokens(batch: dict) -> int:
+    """The input tokens this process holds of a batch from ``collate`` (its shard with context parallelism)."""
+    return batch["inputs"].numel() if "inputs" in batch else batch["tokens"][:, :-1].numel()

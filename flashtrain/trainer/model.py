@@ -8,6 +8,10 @@ same function, so weights and losses agree up to kernel rounding.
 Sliding windows: ``window_size=W`` lets each token see itself and the W tokens before it (flash-attn's
 ``window_size=(W, 0)``); ``window_pattern`` says which layers are local ("L") and which global ("G"), cycled over
 the layers: "LG" alternates them (Gemma 2), "LLLG" keeps every fourth layer global; None makes every layer local.
+
+Context parallelism: given a ``SequenceShard`` the model runs on one rank's shard of each sequence (the
+load-balanced layout of ``flashtrain.distributed``), rotary angles at the tokens' global positions; the mask carries
+the process group, and the ``flash`` backend attends over the whole sequence with ``ring_attention``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .loss import chunked_cross_entropy
 
 # Activation checkpointing per block: "none" keeps every activation; "full" keeps each block's input and recomputes
 # the block in the backward; "selective" keeps the input and the attention's output and LSE, and recomputes the
@@ -62,6 +68,7 @@ class GPTConfig:
     activation_checkpointing: str = "none"  # none | selective | full (see ``checkpoint_contexts``)
     window_size: int | None = None  # sliding-window attention over the W previous tokens (None: none)
     window_pattern: str | None = None  # local ("L") and global ("G") layers, cycled; None: all local
+    loss_chunk: int = 8192  # tokens per chunk of the fused LM head + cross-entropy (its (chunk, vocab) logits)
 
     def __post_init__(self):
         if isinstance(self.activation_checkpointing, bool):  # the older boolean form
@@ -85,9 +92,11 @@ class GPTConfig:
 
 class AttentionMask(NamedTuple):
     """What a causal query may see besides the keys before it: only its own document (packed batches) and only
-    the ``window`` keys before it. ``documents``: ``flashtrain.trainer.data.Documents`` or None."""
+    the ``window`` keys before it. ``documents``: ``flashtrain.trainer.data.Documents`` or None. ``group``: the
+    context-parallel process group whose ranks hold the rest of the sequence (None: the whole sequence is here)."""
     documents: object = None
     window: int | None = None
+    group: object = None
 
     def dense(self, seq: int, device) -> torch.Tensor:
         """The explicit mask, bool (B or 1, 1, T, T), True where query i may see key j."""
@@ -101,6 +110,15 @@ class AttentionMask(NamedTuple):
             doc = self.documents.doc_ids.to(device)
             visible = visible & (doc[:, None, :, None] == doc[:, None, None, :])
         return visible
+
+
+class SequenceShard(NamedTuple):
+    """This rank's part of sequences split over a context-parallel process group (``flashtrain.distributed``'s
+    load-balanced layout): ``positions`` (T_local,) long, the global positions of its tokens; ``group`` the process
+    group of the ranks holding the other parts; ``size`` their number P (the full length is T_local x P)."""
+    positions: torch.Tensor
+    group: object
+    size: int
 
 
 def layer_windows(config: GPTConfig) -> list[int | None]:
@@ -165,8 +183,8 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, documents=None):
-        mask = AttentionMask(documents, self.window)
+    def forward(self, x, cos, sin, documents=None, group=None):
+        mask = AttentionMask(documents, self.window, group)
         x = x + self.attn(self.norm1(x), cos, sin, mask)
         return x + self.mlp(self.norm2(x))
 
@@ -203,30 +221,44 @@ class GPT(nn.Module):
                                                device, dtype)
         return self._rotary[key]
 
+    def _rotary_for(self, seq: int, x: torch.Tensor, documents, shard) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``seq`` tokens: (T, hs/2) at positions 0..T-1, (B, T, hs/2) at each document's positions,
+        or (T, hs/2) at a shard's global positions (the table spans the full T x P sequence)."""
+        if shard is not None:
+            cos, sin = self.rotary_tables(seq * shard.size, x.device, x.dtype)
+            positions = shard.positions.to(x.device)
+            return cos[positions], sin[positions]
+        cos, sin = self.rotary_tables(seq, x.device, x.dtype)
+        if documents is not None:
+            positions = documents.positions.to(x.device)
+            cos, sin = cos[positions], sin[positions]  # (B, T, hs/2)
+        return cos, sin
+
     def num_params(self) -> int:
         """Parameters, counting the tied embedding once."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, documents=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, documents=None,
+                shard: SequenceShard | None = None):
         """idx, targets: (B, T) token ids; documents: ``flashtrain.trainer.data.Documents`` of idx (attention
-        within each document, rotary positions restarting at each), or None. Returns logits (B, T, vocab) and the
-        mean cross-entropy (or None)."""
+        within each document, rotary positions restarting at each), or None; shard: a ``SequenceShard`` when idx
+        is this rank's shard of longer sequences (context parallelism; no documents), or None. Returns (logits
+        (B, T, vocab), None) without targets, (None, the mean cross-entropy over these tokens) with them
+        (``loss.chunked_cross_entropy``: no logits tensor)."""
         B, T = idx.shape
         x = self.wte(idx)  # (B, T, C)
-        cos, sin = self.rotary_tables(T, idx.device, x.dtype)
-        if documents is not None:
-            positions = documents.positions.to(idx.device)
-            cos, sin = cos[positions], sin[positions]  # (B, T, hs/2)
+        cos, sin = self._rotary_for(T, x, documents, shard)
+        group = shard.group if shard is not None else None
         mode = self.config.activation_checkpointing if self.training else "none"
         for block in self.blocks:
             if mode == "full":
-                x = checkpoint(block, x, cos, sin, documents, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, documents, group, use_reentrant=False)
             elif mode == "selective":
-                x = checkpoint(block, x, cos, sin, documents, use_reentrant=False, context_fn=checkpoint_contexts)
+                x = checkpoint(block, x, cos, sin, documents, group, use_reentrant=False,
+                               context_fn=checkpoint_contexts)
             else:
-                x = block(x, cos, sin, documents)
-        logits = self.lm_head(self.norm_f(x))  # (B, T, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+                x = block(x, cos, sin, documents, group)
+        x = self.norm_f(x)
+        if targets is not None:  # the loss in chunks of tokens: the (B * T, vocab) logits never exist at once
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, chunk_tokens=self.config.loss_chunk)
+        return self.lm_head(x), None  # (B, T, vocab)

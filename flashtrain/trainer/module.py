@@ -7,8 +7,8 @@ import math
 import lightning as L
 import torch
 
-from . import backends
-from .model import GPT, GPTConfig, layer_windows
+from . import backends, parallel
+from .model import GPT, GPTConfig, SequenceShard, layer_windows
 
 
 def mean_visible_keys(seq: int, window: int | None) -> float:
@@ -30,13 +30,28 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
 class GPTModule(L.LightningModule):
     """``model``: GPTConfig fields; ``attn``: a name from ``attention_backends`` and ``attn_options`` its options
     (e.g. {"fp8": "forward"}); ``optim``: AdamW settings (lr, betas, weight_decay, warmup_steps,
-    min_lr_ratio); ``compile``: wrap the GPT in torch.compile."""
+    min_lr_ratio); ``compile``: wrap the GPT in torch.compile; ``context_parallel``: the ranks that split each
+    sequence (``flashtrain.trainer.parallel``; batches are then this rank's shards)."""
 
-    def __init__(self, model: dict, attn: str, optim: dict, compile: bool = False, attn_options: dict | None = None):
+    def __init__(self, model: dict, attn: str, optim: dict, compile: bool = False, attn_options: dict | None = None,
+                 context_parallel: int = 1):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(**model), backends.get(attn, **(attn_options or {})))
         self.forward_fn = torch.compile(self.model) if compile else self.model
+        self.context_parallel = int(context_parallel)
+        self.context_group = None  # set in configure_model from the device mesh
+        self._sharded = False
+
+    def configure_model(self):
+        """Under Lightning's ModelParallelStrategy (a device mesh): FSDP2 over every rank, and the context-parallel
+        group; nothing otherwise. Lightning calls this once per fit; the model is sharded once."""
+        mesh = self.device_mesh
+        if mesh is None or self._sharded:
+            return
+        parallel.shard_model(self.model, mesh)
+        self.context_group = parallel.context_group(mesh)
+        self._sharded = True
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x parameters (weights, forward + backward) plus attention, 12 x head_dim x
@@ -46,18 +61,26 @@ class GPTModule(L.LightningModule):
         keys = sum(mean_visible_keys(c.seq_len, window) for window in layer_windows(c))
         return 6 * self.model.num_params() + 12 * c.n_embd * keys
 
-    def forward(self, idx, targets=None, documents=None):
-        return self.forward_fn(idx, targets, documents)
+    def forward(self, idx, targets=None, documents=None, shard=None):
+        return self.forward_fn(idx, targets, documents, shard)
 
     def step_loss(self, batch: dict):
         """The mean next-token loss of a batch from ``data.collate``: (B, T) inputs, the shifted targets, and the
-        inputs' documents when document masking is on."""
-        tokens = batch["tokens"]
-        return self(tokens[:, :-1], tokens[:, 1:], batch.get("documents"))[1]
+        inputs' documents when document masking is on; or, with context parallelism, the mean over this rank's
+        shard (B, T / P) of them, at their global positions."""
+        if "inputs" not in batch:
+            tokens = batch["tokens"]
+            return self(tokens[:, :-1], tokens[:, 1:], batch.get("documents"))[1]
+        if self.context_group is None:
+            raise RuntimeError(f"context_parallel={self.context_parallel}: a sharded batch needs the context-parallel "
+                               "process group, which configure_model takes from ModelParallelStrategy's device mesh")
+        shard = SequenceShard(batch["positions"], self.context_group, self.context_parallel)
+        return self(batch["inputs"], batch["targets"], None, shard)[1]
 
     def training_step(self, batch, batch_idx):
         loss = self.step_loss(batch)
-        self.log("train/loss", loss, prog_bar=True, on_step=True)
+        # sharded: each rank's loss covers 1/P of the tokens; equal shards, so the mean over ranks is the step's mean
+        self.log("train/loss", loss, prog_bar=True, on_step=True, sync_dist=self.context_parallel > 1)
         return loss
 
     def validation_step(self, batch, batch_idx):

@@ -9,6 +9,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from . import parallel
 from .config import parse_tokens
 from .data import TextDataModule
 from .module import GPTModule
@@ -23,17 +24,19 @@ def build(cfg: DictConfig):
                          "training stream is endless, and the learning-rate schedule spans max_steps)")
     _check_precision(cfg)
     _check_masks(cfg)
+    data_size, context_size = parallel.check_layout(cfg)
     _report_tokens_per_step(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
+    datamodule = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True), context_parallel=context_size)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     model_cfg["vocab_size"] = cfg.data.vocab_size  # the model's vocabulary follows the tokenizer
     attn_options = {k: v for k, v in OmegaConf.to_container(cfg.attn, resolve=True).items() if k != "name"}
     module = GPTModule(model=model_cfg, attn=cfg.attn.name, optim=OmegaConf.to_container(cfg.optim, resolve=True),
-                       compile=cfg.compile, attn_options=attn_options)
+                       compile=cfg.compile, attn_options=attn_options, context_parallel=context_size)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger,
+                          **parallel.strategy_override(cfg, data_size, context_size))
     return datamodule, module, trainer
 
 
