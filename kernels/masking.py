@@ -166,6 +166,7 @@ def _window_key_range(start_m, seq_q, seq_k, right_offset, left_offset, CAUSAL: 
     lo = 0
     full_lo = 0
     if LOCAL:
+        hi = tl.maximum(hi, 0)  # seq_q - seq_k beyond a block: no key at all, and no negative block to visit
         # keys seen by the block's first row: j >= start_m + left_offset
         lo = (tl.maximum(start_m + left_offset, 0) // BLOCK_N) * BLOCK_N
         # keys seen by its last row (so by every row): j >= start_m + BLOCK_M - 1 + left_offset
@@ -203,7 +204,7 @@ def _window_query_range(start_n, seq_q, seq_k, right_offset, left_offset, CAUSAL
         mid = tl.minimum(mid, hi)
         # only whole query blocks in the unmasked stage, which then loads without row masks: the sequence's ragged
         # end goes to the last, masked one
-        full_hi = tl.maximum(tl.minimum(full_hi, (seq_q // BLOCK_M) * BLOCK_M), mid)
+        full_hi = tl.minimum(tl.maximum(tl.minimum(full_hi, (seq_q // BLOCK_M) * BLOCK_M), mid), hi)
     return lo, mid, full_hi, hi
 
 

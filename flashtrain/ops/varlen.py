@@ -40,7 +40,8 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
     The offsets are checked (int32, 1-D, equal lengths, starting at 0, non-decreasing, the last within the rows,
     every sequence within ``max_seqlen``). On a GPU that reads them back, one device sync, done once per offsets
-    tensor: the same tensor (unmodified) passed again, as every layer of a model does, is not read again. Inside
+    tensor: the same tensor passed again, as every layer of a model does, is not read again unless torch wrote to it
+    since (its version counter; a write through ``.data``, numpy or DLPack is not seen). Inside
     ``torch.compile`` nothing is read back (a sync would break the graph), as in flash-attn: a sequence longer
     than ``max_seqlen`` then leaves its rows past ``max_seqlen`` unwritten, and offsets that decrease or pass the
     last row read and write out of bounds.
@@ -96,7 +97,8 @@ def _check_offsets(cu_q, cu_k, q: Tensor, k: Tensor, max_q: int, max_k: int) -> 
     for name, cu, rows, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0],
                                                                                  max_k)):
         seen = _checked.get(id(cu))
-        if seen is not None and seen[0]() is cu and seen[1] == (cu._version, rows, longest):
+        # CPU offsets are read every call (no sync to save, and writes through aliases keep _version)
+        if cu.is_cuda and seen is not None and seen[0]() is cu and seen[1] == (cu._version, rows, longest):
             continue
         offsets = cu.tolist()  # one device sync for a CUDA tensor
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]

@@ -29,7 +29,8 @@ from .loss import chunked_cross_entropy
 
 # Activation checkpointing per block: "none" keeps every activation; "full" keeps each block's input and recomputes
 # the block in the backward; "selective" keeps the input and the attention's output and LSE, and recomputes the
-# rest, so the flash forward (the costly part at long context) never runs twice
+# rest, so the flash forward (the costly part at long context) never runs twice. Ring attention (context
+# parallelism) launches its kernels inside an autograd.Function that the policy cannot see: it is recomputed.
 CHECKPOINTING = ("none", "selective", "full")
 
 
@@ -217,8 +218,10 @@ class GPT(nn.Module):
         if key not in self._rotary:
             if len(self._rotary) >= 8:  # a few lengths at a time (training, validation, generation)
                 self._rotary.clear()
-            self._rotary[key] = rotary_cos_sin(seq, self.config.n_embd // self.config.n_head, self.config.rope_base,
-                                               device, dtype)
+            # outside inference mode: tables built during validation are used by training steps too
+            with torch.inference_mode(False), torch.no_grad():
+                self._rotary[key] = rotary_cos_sin(seq, self.config.n_embd // self.config.n_head,
+                                                   self.config.rope_base, device, dtype)
         return self._rotary[key]
 
     def _rotary_for(self, seq: int, x: torch.Tensor, documents, shard) -> tuple[torch.Tensor, torch.Tensor]:

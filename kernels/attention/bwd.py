@@ -54,16 +54,19 @@ def attention_bwd_preprocess_kernel(
     zero this program's block of DQ_ACC, the Hopper backward's fp32 dQ buffer (B, H_q, cdiv(seq_q, 64) * 64, D),
     contiguous, BLOCK_M = 64: one pass over the rows instead of a separate fill kernel.
     """
-    off_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = tl.program_id(0) * BLOCK_M
+    tile_m = tl.arange(0, BLOCK_M)
+    off_m = start_m + tile_m
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
     acc_dtype = DELTA.dtype.element_ty
+    # the block's first row in the int64 base: rows * strides pass 2^31 at ~1M tokens
     o = _load_rows(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-                   + off_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                   + start_m.to(tl.int64) * stride_om + tile_m[:, None] * stride_om + offs_d[None, :] * stride_od,
                    off_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                    + off_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    + start_m.to(tl.int64) * stride_dom + tile_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                     off_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(acc_dtype) * do.to(acc_dtype), 1)
     row = (off_b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + off_m
@@ -99,8 +102,10 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
-        q = _load_rows(q_base + rows[:, None] * stride_qm, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M)
-        do = _load_rows(do_base + rows[:, None] * stride_dom, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M)
+        q = _load_rows(q_base + start_m.to(tl.int64) * stride_qm + offs_m[:, None] * stride_qm, rows, seq_q, offs_d,
+                       HEAD_DIM, BLOCK_D, not EVEN_M)
+        do = _load_rows(do_base + start_m.to(tl.int64) * stride_dom + offs_m[:, None] * stride_dom, rows, seq_q,
+                        offs_d, HEAD_DIM, BLOCK_D, not EVEN_M)
         if EVEN_M:
             lse2 = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
@@ -178,9 +183,15 @@ def attention_bwd_dkdv_kernel(
         v_base += k_start.to(tl.int64) * stride_vn
         dk_base += k_start.to(tl.int64) * stride_dkn
         dv_base += k_start.to(tl.int64) * stride_dvn
-    k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    # the block's first key in the int64 bases: rows * strides pass 2^31 at ~1M tokens
+    tile_n = tl.arange(0, BLOCK_N)
+    k_base += start_n.to(tl.int64) * stride_kn
+    v_base += start_n.to(tl.int64) * stride_vn
+    dk_base += start_n.to(tl.int64) * stride_dkn
+    dv_base += start_n.to(tl.int64) * stride_dvn
+    k = _load_rows(k_base + tile_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                    offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+    v = _load_rows(v_base + tile_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                    offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
@@ -225,9 +236,9 @@ def attention_bwd_dkdv_kernel(
                                                EVEN_M, CAUSAL, left_offset, LOCAL)
 
     out_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
-    dk_ptrs = dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dk_ptrs = dk_base + tile_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     tl.store(dk_ptrs, _scale(dk, sm_scale, sm_scale_lo).to(DK.dtype.element_ty), mask=out_mask)
-    dv_ptrs = dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    dv_ptrs = dv_base + tile_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
 
     if VARLEN:  # keys past the last sequence: no gradient
@@ -254,8 +265,10 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, kb_base, str
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(k_base + cols[:, None] * stride_kn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(v_base + cols[:, None] * stride_vn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_rows(k_base + start_n.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn, cols, seq_k, offs_d,
+                       HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_rows(v_base + start_n.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn, cols, seq_k, offs_d,
+                       HEAD_DIM, BLOCK_D, MASKED)
         qk = _scale(tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=dq.dtype), qk_scale, qk_scale_lo)
         if HAS_KEY_BIAS:
             qk += _key_bias(kb_base, cols, seq_k)[None, :]
@@ -311,9 +324,13 @@ def attention_bwd_dq_kernel(
         dq_base += q_start.to(tl.int64) * stride_dqm
         k_base += k_start.to(tl.int64) * stride_kn
         v_base += k_start.to(tl.int64) * stride_vn
-    q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    tile_m = tl.arange(0, BLOCK_M)  # rows within the block; the block's first row goes in the int64 bases
+    q_base += start_m.to(tl.int64) * stride_qm
+    do_base += start_m.to(tl.int64) * stride_dom
+    dq_base += start_m.to(tl.int64) * stride_dqm
+    q = _load_rows(q_base + tile_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                    offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+    do = _load_rows(do_base + tile_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                     offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     row = (b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + q_start + offs_m
     # rows past seq_q: lse = +inf gives P = 0 (their dQ is not stored anyway)
@@ -347,7 +364,7 @@ def attention_bwd_dq_kernel(
                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, PRECISION, HAS_KEY_BIAS, DROPOUT,
                                  left_offset, LOCAL)
 
-    dq_ptrs = dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    dq_ptrs = dq_base + tile_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, _scale(dq, sm_scale, sm_scale_lo).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM))
 
@@ -432,9 +449,12 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
                 (q, k, v, do, lse, delta, dq, kb, cu_q, cu_k, *common, *dq.stride(), stride_kbb, *scalars,
                  dq_sections, *dq_keys))
 
-    rows = tuning.proxy_rows(batch * heads_q, seq_q, q.device) if varlen is None and seq_q == seq_k else None
+    dense_self = varlen is None and seq_q == seq_k
+    # each kernel's proxy in its own wave bucket: dK/dV has a program per (key block, KV head), dQ per query head's
+    dkdv_rows = tuning.proxy_rows(batch * heads_kv, seq_k, q.device) if dense_self else None
+    dq_rows = tuning.proxy_rows(batch * heads_q, seq_q, q.device) if dense_self else None
 
-    def proxy_args():
+    def proxy_args(rows):
         """The first ``rows`` rows of every tensor (LSE and delta copied: the kernels index them by their length);
         the gradients' first rows are written again by the launch that follows."""
         cut = [t[:, :, :rows] for t in (q, k, v, do)]
@@ -450,13 +470,13 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     tuning.launch_tuned("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
                         lambda m: (cdiv(grid_k, m["BLOCK_N"]), heads_kv, grid_b), dkdv_args,
                         tiles.fixed_config("dkdv", bd, longest) if fixed else None,
-                        None if rows is None else lambda: (lambda m: (cdiv(rows, m["BLOCK_N"]), heads_kv, batch),
-                                                           proxy_args()[0]),
+                        None if dkdv_rows is None else lambda: (
+                            lambda m: (cdiv(dkdv_rows, m["BLOCK_N"]), heads_kv, batch), proxy_args(dkdv_rows)[0]),
                         **meta, EVEN_M=even_m)
     tuning.launch_tuned("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
                         lambda m: (cdiv(grid_q, m["BLOCK_M"]), heads_q, grid_b), dq_args,
                         tiles.fixed_config("dq", bd, longest) if fixed else None,
-                        None if rows is None else lambda: (lambda m: (cdiv(rows, m["BLOCK_M"]), heads_q, batch),
-                                                           proxy_args()[1]),
+                        None if dq_rows is None else lambda: (
+                            lambda m: (cdiv(dq_rows, m["BLOCK_M"]), heads_q, batch), proxy_args(dq_rows)[1]),
                         **meta)
     return dq, dk, dv

@@ -52,7 +52,9 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, s
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(k_base + cols[:, None] * stride_kn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        # the block's first row in int64 (rows * strides pass 2^31 at ~1M tokens), the tile's rows in int32
+        k = _load_rows(k_base + start_n.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn, cols, seq_k, offs_d,
+                       HEAD_DIM, BLOCK_D, MASKED)
         # scores: (BLOCK_M, BLOCK_N); log2 domain once scaled
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=acc.dtype)
         if SCALE_EARLY:
@@ -81,7 +83,8 @@ def _attention_fwd_inner(acc, l_i, m_i, q, k_base, v_base, kb_base, stride_kn, s
         l_i = l_i * alpha + tl.sum(p, 1)  # the undropped row sum: dropout does not renormalise
         if DROPOUT:
             p = tl.where(_dropout_keep(seed, rng_base, offs_m[:, None], cols[None, :], seq_k, dropout_p), p, 0.0)
-        v = _load_rows(v_base + cols[:, None] * stride_vn, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_rows(v_base + start_n.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn, cols, seq_k, offs_d,
+                       HEAD_DIM, BLOCK_D, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION,
                      out_dtype=acc.dtype)
         m_i = m_new
@@ -140,7 +143,10 @@ def attention_fwd_kernel(
         v_base += k_start.to(tl.int64) * stride_vn
         o_base += q_start.to(tl.int64) * stride_om
 
-    q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    tile_m = tl.arange(0, BLOCK_M)  # rows within the block; the block's first row goes in the int64 base
+    q_base += start_m.to(tl.int64) * stride_qm
+    o_base += start_m.to(tl.int64) * stride_om
+    q = _load_rows(q_base + tile_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                    offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
     l_i = tl.zeros([BLOCK_M], dtype=acc_dtype)
@@ -181,7 +187,7 @@ def attention_fwd_kernel(
     # kept in the log2 domain: the backward needs it there, and a float literal (ln 2) would be fp32
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
     row_ok = offs_m < len_q
-    o_ptrs = o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_ptrs = o_base + tile_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     lse_base = LSE + (b.to(tl.int64) * tl.num_programs(1) + off_h) * seq_q + q_start
     tl.store(lse_base + offs_m, lse.to(LSE.dtype.element_ty), mask=row_ok)

@@ -35,9 +35,12 @@ def check(pair, dtype):
         assert_close(name, g, r, tol_grad)
 
 
+# every window on one shape; the other shapes (GQA with seq_k > seq_q, seq_q > seq_k) take every other window
+CASES = [(SHAPES[0], w, c) for w, c in WINDOWS] + [(SHAPES[1 + i % 2], w, c) for i, (w, c) in enumerate(WINDOWS)]
+
+
 @pytest.mark.usefixtures("poison_allocations")
-@pytest.mark.parametrize("window, causal", WINDOWS, ids=str)
-@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+@pytest.mark.parametrize("shape, window, causal", CASES, ids=str)
 def test_window_matches_reference(shape, window, causal, device):
     q, k, v = make_qkv(shape, torch.float64, device, requires_grad=True)
     check(run_pair(q, k, v, window, causal), torch.float64)
@@ -61,6 +64,15 @@ def test_window_with_key_padding_and_scale(device):
     dout = torch.randn_like(out)
     for name, g, r in zip("qkv", torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
         assert_close(f"d{name}", g, r, 1e-12)
+
+
+@pytest.mark.parametrize("shape, window, causal", [((1, 2, 1, 64, 16, 16), (4, -1), True),
+                                                   ((1, 1, 1, 70, 20, 16), (5, 2), False)], ids=str)
+def test_window_with_seq_q_blocks_beyond_seq_k(shape, window, causal, device):
+    """seq_q - seq_k of a query block or more: the first blocks' windows hold no key at all (their rows get zeros,
+    LSE -inf), and no block before the first key is visited."""
+    q, k, v = make_qkv(shape, torch.float64, device, requires_grad=True)
+    check(run_pair(q, k, v, window, causal), torch.float64)
 
 
 @pytest.mark.parametrize("window, causal", [((3, -1), True), ((2, 4), False)], ids=str)

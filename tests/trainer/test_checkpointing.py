@@ -54,3 +54,15 @@ def test_bad_checkpointing_mode():
     with pytest.raises(ValueError, match="model.activation_checkpointing='some'"):
         GPTConfig(activation_checkpointing="some")
     assert GPTConfig(activation_checkpointing=True).activation_checkpointing == "full"
+
+
+def test_rotary_tables_built_under_inference_mode_serve_training():
+    """A validation forward (inference mode) first at a length leaves tables that training can still save."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=BYTE_EOD + 1, n_layer=1, n_head=2, n_embd=16), backends.get("sdpa"))
+    tokens = torch.randint(0, 256, (1, 9))
+    with torch.inference_mode():
+        model.eval()(tokens[:, :-1])
+    _, loss = model.train()(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    assert model.wte.weight.grad is not None
