@@ -104,7 +104,11 @@ def bench_speed(provider, batch, heads, heads_kv, seq, head_dim, causal, dtype):
     q = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-    fn = make_provider(provider, causal, seq, heads != heads_kv)
+    return time_directions(make_provider(provider, causal, seq, heads != heads_kv), q, k, v)
+
+
+def time_directions(fn, q, k, v):
+    """Median ms of ``fn(q, k, v)``'s forward and of its backward: {mode: ms}."""
     # each direction runs once (compiling / autotuning: seconds with the GPU idle), then the GPU is brought
     # back to its clocks before it is timed (docs/performance-notes.md: the N = 1k swings)
     out = fn(q, k, v)

@@ -26,13 +26,12 @@ import sys
 import time
 
 import torch
-import triton
 
 from flashtrain import flash_attention, flash_attention_varlen
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
-from attention import warm_up_gpu  # noqa: E402
+from attention import time_directions, warm_up_gpu  # noqa: E402
 
 FIELDS = ["case", "provider", "D", "H", "H_kv", "T", "L", "docs", "mode", "ms", "tflops", "status",
           *provenance.FIELDS]
@@ -112,19 +111,6 @@ def make_fn(provider, case, lengths, window, heads, heads_kv):
             return out.transpose(0, 1)[None]
         return torch_packed
     raise ValueError(f"unknown provider {provider!r}")
-
-
-def time_directions(fn, q, k, v):
-    """Median ms of the forward and of the backward (after one untimed call and 0.3 s of GPU warm-up each)."""
-    out = fn(q, k, v)
-    dout = torch.randn_like(out)
-    out.backward(dout, retain_graph=True)
-    warm_up_gpu(0.3)
-    fwd = triton.testing.do_bench(lambda: fn(q, k, v), warmup=100, rep=300, return_mode="median")
-    warm_up_gpu(0.3)
-    bwd = triton.testing.do_bench(lambda: out.backward(dout, retain_graph=True), warmup=100, rep=300,
-                                  grad_to_none=[q, k, v], return_mode="median")
-    return {"fwd": fwd, "bwd": bwd}
 
 
 def points(quick: bool):
