@@ -159,6 +159,7 @@ class TextDataModule(L.LightningDataModule):
         self.cache_dir = Path(cache_dir or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
                               / "flashtrain")
         self.consumed_samples = 0  # restored from checkpoints (state_dict below)
+        self.eod = None  # the end-of-document id, known once the text is tokenised (``_packed``)
         self.train_set = self.val_set = None
 
     # --- loading -------------------------------------------------------------------------------------------
@@ -238,6 +239,7 @@ class TextDataModule(L.LightningDataModule):
     def _packed(self) -> datasets.Dataset:
         """(num_windows,) dataset of 'ids': seq_len + 1 tokens each, cut from the concatenated stream."""
         (encode, eod), field, window = self._encode_fn(), self.text_field, self.seq_len + 1
+        self.eod = eod
 
         def tokenize(batch):
             return {"ids": [ids + [eod] for ids in encode(batch[field])]}
@@ -290,7 +292,8 @@ class TextDataModule(L.LightningDataModule):
     def collate(self):
         """Rows -> {"tokens": (B, seq_len + 1)}, plus "documents" (``Documents`` of the inputs) when masking; with
         context_parallel > 1, this rank's shards {"inputs", "targets", "positions"} (``collate``)."""
-        eod = self._encode_fn()[1] if self.document_masking else None
+        # the id _packed found: the tokenizer is not loaded (or a BPE trained) again per loader
+        eod = (self.eod if self.eod is not None else self._encode_fn()[1]) if self.document_masking else None
         if self.context_parallel == 1:
             return functools.partial(collate, eod=eod)
         rank = context_rank(self._global()[0], self.context_parallel)
