@@ -2,7 +2,7 @@
 compute efficiency is the full-sequence flash time divided by P times the slowest rank's time (1.0: the ring adds
 no compute and balances perfectly; communication is not in it: the runs on several GPUs measure that).
 
-Points: bf16, causal, B=1, 12 heads of 64 (gpt2-small) and 16 heads of 128, N from 128k, P = 2, 4, 8; forward and
+Points: bf16, causal, B=1, 12 heads of 64 (gpt2-small) and 16 heads of 128, N 32k-128k, P = 2, 4, 8; forward and
 forward + backward. Medians of ``triton.testing.do_bench`` after one untimed call.
 
     python scripts/bench/ring.py --out benchmarks/results/ring.csv
@@ -33,36 +33,39 @@ def bench(fn, reps_ms: int) -> float:
     return triton.testing.do_bench(fn, warmup=reps_ms // 4, rep=reps_ms, return_mode="median")
 
 
-def point(heads: int, head_dim: int, seq: int, size: int, reps_ms: int) -> list[dict]:
-    """Forward and forward + backward rows of one (H, D, N, P) point."""
+def points(heads: int, head_dim: int, seq: int, sizes: list[int], reps_ms: int) -> list[dict]:
+    """Forward and forward + backward rows of (H, D, N) at each P in ``sizes`` (the full-sequence time once)."""
     scale = head_dim ** -0.5
     q, k, v, dout = (torch.randn(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = forward_kernels(q, k, v, True, scale, None, 0.0, 0)
     full = {"fwd": bench(lambda: forward_kernels(q, k, v, True, scale, None, 0.0, 0), reps_ms),
             "fwd+bwd": bench(lambda: (forward_kernels(q, k, v, True, scale, None, 0.0, 0),
                                       backward_kernels(dout, q, k, v, out, lse, None, True, scale)), reps_ms)}
-    shards = [[shard_sequence_for(t, 2, r, size) for t in (q, k, v, dout)] for r in range(size)]
+    rows = []
+    for size in sizes:
+        shards = [[shard_sequence_for(t, 2, r, size) for t in (q, k, v, dout)] for r in range(size)]
 
-    def kv_of(j):
-        return shards[j][1], shards[j][2]
+        def kv_of(j):
+            return shards[j][1], shards[j][2]
 
-    ranks = {"fwd": [], "fwd+bwd": []}
-    for r in range(size):
-        q_r, _, _, dout_r = shards[r]
-        out_r, lse_r = rank_forward(q_r, kv_of, r, size, True, scale)
-        ranks["fwd"].append(bench(lambda: rank_forward(q_r, kv_of, r, size, True, scale), reps_ms))
-        ranks["fwd+bwd"].append(bench(lambda: (rank_forward(q_r, kv_of, r, size, True, scale),
-                                               rank_backward(dout_r, q_r, out_r, lse_r, kv_of, r, size, True, scale)),
-                                      reps_ms))
-    return [dict(H=heads, D=head_dim, N=seq, P=size, mode=mode, full_ms=f"{full[mode]:.3f}",
-                 slowest_rank_ms=f"{max(ranks[mode]):.3f}", efficiency=f"{full[mode] / (size * max(ranks[mode])):.3f}")
-            for mode in ("fwd", "fwd+bwd")]
+        ranks = {"fwd": [], "fwd+bwd": []}
+        for r in range(size):
+            q_r, _, _, dout_r = shards[r]
+            out_r, lse_r = rank_forward(q_r, kv_of, r, size, True, scale)
+            ranks["fwd"].append(bench(lambda: rank_forward(q_r, kv_of, r, size, True, scale), reps_ms))
+            ranks["fwd+bwd"].append(bench(lambda: (rank_forward(q_r, kv_of, r, size, True, scale),
+                                                   rank_backward(dout_r, q_r, out_r, lse_r, kv_of, r, size, True,
+                                                                 scale)), reps_ms))
+        rows += [dict(H=heads, D=head_dim, N=seq, P=size, mode=mode, full_ms=f"{full[mode]:.3f}",
+                      slowest_rank_ms=f"{max(ranks[mode]):.3f}",
+                      efficiency=f"{full[mode] / (size * max(ranks[mode])):.3f}") for mode in ("fwd", "fwd+bwd")]
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--seqs", nargs="+", type=int, default=[131072, 262144, 524288, 1048576])
+    parser.add_argument("--seqs", nargs="+", type=int, default=[32768, 65536, 131072])
     parser.add_argument("--sizes", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--reps-ms", type=int, default=200)
     args = parser.parse_args()
@@ -72,12 +75,11 @@ def main():
         writer.writeheader()
         for heads, head_dim in ((12, 64), (16, 128)):
             for seq in args.seqs:
-                for size in args.sizes:
-                    for row in point(heads, head_dim, seq, size, args.reps_ms):
-                        writer.writerow(dict(row, **meta))
-                        f.flush()
-                        print(row, flush=True)
-                    torch.cuda.empty_cache()
+                for row in points(heads, head_dim, seq, args.sizes, args.reps_ms):
+                    writer.writerow(dict(row, **meta))
+                    f.flush()
+                    print(row, flush=True)
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ def run_row(attn, seq, seed, args, meta, writer, f, losses_file, model="gpt2-sma
     writer.writerow(row)
     f.flush()
     if losses_file:
-        csv.writer(losses_file).writerows([attn, seq, row["seed"], step, f"{loss:.5f}",
+        label = f"{attn}@{variant[0]}" if variant[0] else attn  # one curve per (attn, variant)
+        csv.writer(losses_file).writerows([label, seq, row["seed"], step, f"{loss:.5f}",
                                            *(meta[k] for k in provenance.FIELDS)]
                                           for step, loss in enumerate(row["losses"]))
         losses_file.flush()
