@@ -32,6 +32,7 @@ from flashtrain import flash_attention, flash_attention_varlen
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
 from attention import time_directions, warm_up_gpu  # noqa: E402
+from readme import replace_section  # noqa: E402
 
 FIELDS = ["case", "provider", "D", "H", "H_kv", "T", "L", "docs", "mode", "ms", "tflops", "status",
           *provenance.FIELDS]
@@ -165,16 +166,6 @@ def report(path: str) -> str:
     return "\n".join(lines)
 
 
-def write_readme(readme: str, table: str) -> None:
-    with open(readme) as f:
-        text = f.read()
-    if START not in text or END not in text:
-        raise SystemExit(f"{readme}: no {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    with open(readme, "w") as f:
-        f.write(head + START + "\n" + table + "\n" + END + rest.split(END, 1)[1])
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out")
@@ -188,7 +179,7 @@ def main():
         table = report(args.report)
         print(table)
         if args.readme:
-            write_readme(args.readme, table)
+            replace_section(args.readme, START, END, table)
         return
     if not args.out:
         parser.error("--out is required to run the benchmark")

@@ -21,9 +21,13 @@ kernels): where the FP8 op's host time exceeds it, do_bench times the host, and 
 from __future__ import annotations
 
 import argparse
-import re
+import os
+import sys
 
 import pandas as pd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/bench: the README writer
+from readme import replace_section  # noqa: E402
 
 SPEED_PROVIDERS = ["flashtrain", "flashtrain_fp8_fwd", "flashtrain_fp8", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
 MEMORY_PROVIDERS = ["flashtrain", "sdpa", "eager"]
@@ -253,18 +257,6 @@ def main(argv=None):
         text += f"\n\n![attention benchmark]({args.plot})"
     if args.readme:
         replace_section(args.readme, START, END, text)
-
-
-def replace_section(path, start, end, text):
-    """Replace the text between the markers ``start`` and ``end`` in the file at ``path``."""
-    with open(path) as f:
-        readme = f.read()
-    if start not in readme or end not in readme:
-        raise SystemExit(f"{path} has no {start} ... {end} section")
-    readme = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{text}\n{end}", readme,
-                    flags=re.S)
-    with open(path, "w") as f:
-        f.write(readme)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Points: bf16, causal, B=1, 12 heads of 64 (gpt2-small) and 16 heads of 128, N 32
 forward + backward. Medians of ``triton.testing.do_bench`` after one untimed call.
 
     python scripts/bench/ring.py --out benchmarks/results/ring.csv
+    python scripts/bench/ring.py --report benchmarks/results/ring.csv --readme README.md   # any machine
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from flashtrain.ops.attention import backward_kernels, forward_kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
+from readme import replace_section  # noqa: E402
 
 FIELDS = ["H", "D", "N", "P", "mode", "full_ms", "slowest_rank_ms", "efficiency", *provenance.FIELDS]
 
@@ -62,13 +64,44 @@ def points(heads: int, head_dim: int, seq: int, sizes: list[int], reps_ms: int) 
     return rows
 
 
+START, END = "<!-- ring-benchmark:start -->", "<!-- ring-benchmark:end -->"
+
+
+def report(path: str) -> str:
+    """The README's table: compute efficiency forward / forward + backward, one row per (H, D, N), one column per P."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    sizes = sorted({int(r["P"]) for r in rows})
+    cell = {(r["H"], r["D"], r["N"], int(r["P"]), r["mode"]): r["efficiency"] for r in rows}
+    first = rows[0]
+    lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; bf16, causal, B=1; "
+             "compute efficiency forward / forward + backward (full-sequence time over P x the slowest rank's); "
+             f"raw rows: [`{path}`]({path}).", "",
+             "| H x D | N | " + " | ".join(f"P = {p}" for p in sizes) + " |", "|---|---|" + "---|" * len(sizes)]
+    for heads, head_dim, seq in dict.fromkeys((r["H"], r["D"], r["N"]) for r in rows):
+        cells = [" / ".join(cell.get((heads, head_dim, seq, p, mode), "") for mode in ("fwd", "fwd+bwd"))
+                 for p in sizes]
+        lines.append(f"| {heads} x {head_dim} | {int(seq) // 1024}k | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--report", metavar="CSV", help="print the table of a results CSV instead (any machine)")
+    parser.add_argument("--readme", help="with --report: write the table between the README's markers")
     parser.add_argument("--seqs", nargs="+", type=int, default=[32768, 65536, 131072])
     parser.add_argument("--sizes", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--reps-ms", type=int, default=200)
     args = parser.parse_args()
+    if args.report:
+        table = report(args.report)
+        print(table)
+        if args.readme:
+            replace_section(args.readme, START, END, table)
+        return
+    if not args.out:
+        parser.error("--out is required to run the benchmark")
     meta = provenance.provenance()
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)

@@ -1,0 +1,50 @@
+"""The README tables of scripts/bench/masks.py and ring.py (CPU): cells, ratios, and the section they replace."""
+
+import csv
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+META = dict(gpu="GPU", torch="2", triton="3", commit="abc", date="2026-12-07")
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return str(path)
+
+
+def test_masks_table_and_readme_section(tmp_path):
+    masks = load("masks")
+    point = dict(case="documents", D=128, H=16, H_kv=4, T=16384, L=2048, docs=8)
+    rates = {("flashtrain", "fwd"): 500, ("flashtrain", "bwd"): 300, ("flex", "fwd"): 250, ("flex", "bwd"): 200,
+             ("flashtrain_dense", "fwd"): 550, ("flashtrain_dense", "bwd"): 400}
+    rows = [dict(**point, provider=p, mode=m, ms=1.0, tflops=t, status="ok", **META) for (p, m), t in rates.items()]
+    rows.append(dict(**point, provider="torch_varlen", mode="fwd", ms="", tflops="", status="unsupported", **META))
+    table = masks.report(write_csv(tmp_path / "masks.csv", rows))
+    assert "| documents | 16k | 2048 | 128 | 16 (4) | 500 / 300 | 250 / 200 |  | 550 / 400 | 2.00 / 1.50 | 0.91 / 0.75 |" \
+        in table.splitlines()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{masks.START}\nold\n{masks.END}\ntail\n")
+    masks.replace_section(str(readme), masks.START, masks.END, table)
+    text = readme.read_text()
+    assert "old" not in text and table in text and text.endswith("tail\n")
+
+
+def test_ring_table(tmp_path):
+    ring = load("ring")
+    rows = [dict(H=12, D=64, N=65536, P=p, mode=m, full_ms=1.0, slowest_rank_ms=1.0, efficiency=e, **META)
+            for p, m, e in ((2, "fwd", "0.950"), (2, "fwd+bwd", "0.900"), (4, "fwd", "0.800"),
+                            (4, "fwd+bwd", "0.700"))]
+    table = ring.report(write_csv(tmp_path / "ring.csv", rows)).splitlines()
+    assert "| H x D | N | P = 2 | P = 4 |" in table
+    assert "| 12 x 64 | 64k | 0.950 / 0.900 | 0.800 / 0.700 |" in table
