@@ -17,7 +17,7 @@ allocates beyond the parameters, gradients and inputs. Writes long-format CSV ro
 metric, x, value, gpu, torch, triton, commit, date). Needs a CUDA GPU.
 
     python scripts/bench/swap.py --out benchmarks/results/swap_h200.csv
-    python scripts/bench/swap.py --report benchmarks/results/swap_h200.csv --plot PNG   # any machine
+    python scripts/bench/swap.py --report benchmarks/results/swap.csv --plot benchmarks/swap.png   # any machine
 """
 
 from __future__ import annotations
@@ -130,18 +130,19 @@ def report(path, plot_path=None):
     lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; "
              "nn.TransformerEncoder, 4 pre-norm layers, d_model 1024, 16 heads of 64, bf16, batch 1, one training "
              f"step (forward + backward), median; memory beyond parameters and inputs; raw rows: [`{path}`]({path}).",
-             "", "| mask | seq | before: ms | after: ms | speed-up | before: GiB | after: GiB | memory saved |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Each cell: the step after the swap, ms (speed-up over before), and its memory, GiB (share saved).", "",
+             "| mask | " + " | ".join(f"{seq // 1024}k" for seq in seqs) + " |", "|---|" + "---|" * len(seqs)]
     for mode in modes:
+        cells = []
         for seq in seqs:
             b_ms, a_ms = get.get(("before", mode, seq, "ms")), get.get(("after", mode, seq, "ms"))
             b_gib, a_gib = get.get(("before", mode, seq, "peak_gib")), get.get(("after", mode, seq, "peak_gib"))
-            if b_ms is None or a_ms is None:
+            if b_ms is None or a_ms is None or "OOM" in (b_ms, a_ms):
+                cells.append(f"before {b_ms}, after {a_ms}" if b_ms and a_ms else "")
                 continue
-            ok = "OOM" not in (b_ms, a_ms)
-            speed = f"{float(b_ms) / float(a_ms):.2f}x" if ok else ""
-            saved = f"{1 - float(a_gib) / float(b_gib):.0%}" if ok else ""
-            lines.append(f"| {mode} | {seq} | {b_ms} | {a_ms} | {speed} | {b_gib} | {a_gib} | {saved} |")
+            cells.append(f"{float(a_ms):.1f} ({float(b_ms) / float(a_ms):.2f}x), {float(a_gib):.2f} "
+                         f"({1 - float(a_gib) / float(b_gib):.0%})")
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     if plot_path:
         import matplotlib
