@@ -141,7 +141,8 @@ def test_the_word_check_catches_what_it_should():
 # benchmarks/results/<name>.csv -> the script that writes it
 RESULTS = {"attention": "attention.py", "attention_fp8": "attention.py", "training": "training.py",
            "swap": "swap.py", "fp8_accuracy": "fp8_accuracy.py", "fp8_training": "training.py", "masks": "masks.py",
-           "training_documents": "training.py", "long_context": "training.py", "ring": "ring.py"}
+           "training_documents": "training.py", "long_context": "training.py", "ring": "ring.py",
+           "first_call": "first_call.py"}
 PROVENANCE = {"gpu", "torch", "triton", "commit", "date"}
 
 
