@@ -49,6 +49,11 @@ def one_point(seq: int, heads: int, heads_kv: int, head_dim: int) -> dict:
     return dict(N=seq, H=heads, H_kv=heads_kv, D=head_dim, first_s=f"{first:.1f}", tuned_s=f"{tuned:.2f}")
 
 
+def tokens(n: int) -> str:
+    """65536 -> '64k', 1048576 -> '1M'."""
+    return f"{n // 2**20}M" if n % 2**20 == 0 else f"{n // 1024}k"
+
+
 def report(path: str) -> str:
     with open(path) as f:
         rows = list(csv.DictReader(f))
@@ -57,7 +62,7 @@ def report(path: str) -> str:
              f"B=1, {first['H']} query heads, {first['H_kv']} KV head, head_dim {first['D']}; forward + backward in "
              f"a fresh process with an empty Triton cache; raw rows: [`{path}`]({path}).", "",
              "| N | first call, s | once tuned, s |", "|---|---|---|"]
-    lines += [f"| {int(r['N']) // 1024}k | {r['first_s']} | {r['tuned_s']} |" for r in rows]
+    lines += [f"| {tokens(int(r['N']))} | {r['first_s']} | {r['tuned_s']} |" for r in rows]
     return "\n".join(lines)
 
 

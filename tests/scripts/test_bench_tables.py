@@ -48,3 +48,11 @@ def test_ring_table(tmp_path):
     table = ring.report(write_csv(tmp_path / "ring.csv", rows)).splitlines()
     assert "| H x D | N | P = 2 | P = 4 |" in table
     assert "| 12 x 64 | 64k | 0.950 / 0.900 | 0.800 / 0.700 |" in table
+
+
+def test_first_call_table(tmp_path):
+    first_call = load("first_call")
+    rows = [dict(N=n, H=4, H_kv=1, D=64, first_s=f, tuned_s=t, **META)
+            for n, f, t in ((65536, "30.1", "0.05"), (1048576, "41.0", "4.70"))]
+    table = first_call.report(write_csv(tmp_path / "first_call.csv", rows)).splitlines()
+    assert table[-2:] == ["| 64k | 30.1 | 0.05 |", "| 1M | 41.0 | 4.70 |"]
