@@ -61,8 +61,9 @@ def report(path: str) -> str:
     lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; bf16, causal, "
              f"B=1, {first['H']} query heads, {first['H_kv']} KV head, head_dim {first['D']}; forward + backward in "
              f"a fresh process with an empty Triton cache; raw rows: [`{path}`]({path}).", "",
-             "| N | first call, s | once tuned, s |", "|---|---|---|"]
-    lines += [f"| {tokens(int(r['N']))} | {r['first_s']} | {r['tuned_s']} |" for r in rows]
+             "| N | " + " | ".join(tokens(int(r["N"])) for r in rows) + " |", "|---|" + "---|" * len(rows),
+             "| first call, s | " + " | ".join(r["first_s"] for r in rows) + " |",
+             "| once tuned, s | " + " | ".join(r["tuned_s"] for r in rows) + " |"]
     return "\n".join(lines)
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 
 def replace_section(path: str, start: str, end: str, text: str) -> None:
-    """Replace the text between the markers ``start`` and ``end`` in the file at ``path``."""
+    """Replace the text between the markers ``start`` and ``end`` in the file at ``path``. Relative link targets in
+    ``text`` (relative to the working directory, the repository root) are rewritten relative to the file's folder."""
+    to_cwd = os.path.relpath(os.getcwd(), os.path.dirname(os.path.abspath(path)))
+    if to_cwd != ".":
+        text = re.sub(r"\]\((?![a-z]+:|#|/)", lambda _: f"]({to_cwd}/", text)
     with open(path) as f:
         readme = f.read()
     if start not in readme or end not in readme:

@@ -77,7 +77,9 @@ def run_one(attn, seq, seed, args, tmp, model="gpt2-small", variant=("", [])):
                  "callbacks.checkpoint=null", "trainer.val_check_interval=1000000", f"output_dir={tmp}",
                  "+trainer.enable_model_summary=false", "+trainer.enable_checkpointing=false",
                  *([f"seed={seed}"] if seed is not None else []), *args.overrides, *variant_overrides]
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    import flashtrain.conf  # the installed configs: the ones scripts/train.py composes
+
+    with initialize_config_dir(str(Path(flashtrain.conf.__file__).parent), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     datamodule, module, trainer = build(cfg)
     timer = StepTimer()
@@ -148,6 +150,14 @@ def run_row(attn, seq, seed, args, meta, writer, f, losses_file, model="gpt2-sma
           f"step={row.get('step_time_s', '')}s peak={row.get('peak_alloc_gib', '')} GiB", flush=True)
 
 
+def per_step(rows: list[dict]) -> str:
+    """The caption's tokens per step: one figure, or one sequence a step where each run's step is its sequence."""
+    if all(r["tokens_per_step"] == r["seq"] for r in rows):
+        return "one sequence a step"
+    steps = sorted({int(r["tokens_per_step"]) for r in rows})
+    return f"{steps[0]} tokens per step" if len(steps) == 1 else f"{steps[0]}-{steps[-1]} tokens per step"
+
+
 def report(path, plot_path=None):
     """A markdown table (tokens/s and peak GiB per attention, a row per model and sequence length) and a PNG (a row
     of panels per model) from a bench/training.py CSV."""
@@ -162,7 +172,7 @@ def report(path, plot_path=None):
         get.setdefault((r.get("model", ""), r["attn"], int(r["seq"])), r)
     first = rows[0]
     lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; bf16-mixed, "
-             f"{first['tokens_per_step']} tokens per step, median step after warm-up; tokens/s (peak GiB); raw rows: "
+             f"{per_step(rows)}, median step after warm-up; tokens/s (peak GiB); raw rows: "
              f"[`{path}`]({path}).", "",
              "| model | seq | " + " | ".join(attns) + " |", "|---|---|" + "---|" * len(attns)]
     for model in models:

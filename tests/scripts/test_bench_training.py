@@ -78,6 +78,13 @@ def test_report_table(tmp_path):
     assert "| gpt2-small | 4096 | OOM | 1,000 (13.0) |" in table  # several seeds: the first
     assert "| gpt2-small-h128 | 4096 |  | 2,000 (9.5) |" in table  # a row per model, in the order run
     assert "| gpt2-small bpe | 4096 |  | 900 (14.0) |" in table  # a variant is a row of its own
+    assert "32768 tokens per step" in table
+
+
+def test_caption_of_one_sequence_a_step():
+    rows = [dict(seq=s, tokens_per_step=s) for s in ("65536", "262144")]
+    assert bench_training.per_step(rows) == "one sequence a step"
+    assert bench_training.per_step([dict(seq="4096", tokens_per_step="32768")]) == "32768 tokens per step"
 
 
 def test_variants_parse():
