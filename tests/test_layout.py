@@ -142,7 +142,7 @@ def test_the_word_check_catches_what_it_should():
 RESULTS = {"attention": "attention.py", "attention_fp8": "attention.py", "training": "training.py",
            "swap": "swap.py", "fp8_accuracy": "fp8_accuracy.py", "fp8_training": "training.py", "masks": "masks.py",
            "training_documents": "training.py", "long_context": "training.py", "ring": "ring.py",
-           "first_call": "first_call.py"}
+           "first_call": "first_call.py", "training_documents_losses": "training.py"}
 PROVENANCE = {"gpu", "torch", "triton", "commit", "date"}
 
 

@@ -5,7 +5,7 @@ Points: bf16, causal, B=1, 4 query heads sharing one KV head (GQA 4:1), head_dim
 runs in its own process with its own ``TRITON_CACHE_DIR``, so no pick or binary carries over from another point.
 
     python scripts/bench/first_call.py --out benchmarks/results/first_call.csv
-    python scripts/bench/first_call.py --report benchmarks/results/first_call.csv --readme README.md   # any machine
+    python scripts/bench/first_call.py --report benchmarks/results/first_call.csv   # the table, on any machine
 """
 
 from __future__ import annotations
@@ -93,9 +93,13 @@ def main():
         for seq in args.seqs:
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, TRITON_CACHE_DIR=cache)
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--point", str(seq)], env=env,
-                                     capture_output=True, text=True, check=True).stdout
-            row = dict(json.loads(out.strip().splitlines()[-1]), **meta)
+                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--point", str(seq)], env=env,
+                                      capture_output=True, text=True)
+            if done.returncode != 0:  # e.g. out of memory: the row says so, and the child's error is shown
+                print(done.stderr[-2000:], file=sys.stderr)
+                row = dict(N=seq, H=4, H_kv=1, D=64, first_s="error", tuned_s="error", **meta)
+            else:
+                row = dict(json.loads(done.stdout.strip().splitlines()[-1]), **meta)
             writer.writerow(row)
             f.flush()
             print(row, flush=True)
