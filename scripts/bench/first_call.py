@@ -21,10 +21,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
-from readme import replace_section  # noqa: E402
+from readme import add_report_arguments, reported  # noqa: E402
 
 FIELDS = ["N", "H", "H_kv", "D", "first_s", "tuned_s", *provenance.FIELDS]
-START, END = "<!-- first-call-benchmark:start -->", "<!-- first-call-benchmark:end -->"
 
 
 def one_point(seq: int, heads: int, heads_kv: int, head_dim: int) -> dict:
@@ -69,23 +68,15 @@ def report(path: str) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out")
+    add_report_arguments(parser, readme=False)  # the README quotes the figures in its text
     parser.add_argument("--seqs", nargs="+", type=int, default=[65536, 262144, 1048576])
     parser.add_argument("--point", type=int, help=argparse.SUPPRESS)  # internal: measure one N, print JSON
-    parser.add_argument("--report", metavar="CSV", help="print the table of a results CSV instead (any machine)")
-    parser.add_argument("--readme", help="with --report: write the table between the README's markers")
     args = parser.parse_args()
     if args.point:
         print(json.dumps(one_point(args.point, 4, 1, 64)))
         return
-    if args.report:
-        table = report(args.report)
-        print(table)
-        if args.readme:
-            replace_section(args.readme, START, END, table)
+    if reported(parser, args, report):
         return
-    if not args.out:
-        parser.error("--out is required to run the benchmark")
     meta = provenance.provenance()
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)

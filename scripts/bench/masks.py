@@ -32,7 +32,7 @@ from flashtrain import flash_attention, flash_attention_varlen
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
 from attention import time_directions, warm_up_gpu  # noqa: E402
-from readme import replace_section  # noqa: E402
+from readme import add_report_arguments, reported  # noqa: E402
 
 FIELDS = ["case", "provider", "D", "H", "H_kv", "T", "L", "docs", "mode", "ms", "tflops", "status",
           *provenance.FIELDS]
@@ -168,21 +168,13 @@ def report(path: str) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out")
+    add_report_arguments(parser)
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--quick", action="store_true", help="two points, for a smoke run")
     parser.add_argument("--skip", type=int, default=0, help="leave out the first SKIP points (measured already)")
-    parser.add_argument("--report", metavar="CSV", help="print the table of a results CSV instead (any machine)")
-    parser.add_argument("--readme", help="with --report: write the table between the README's markers")
     args = parser.parse_args()
-    if args.report:
-        table = report(args.report)
-        print(table)
-        if args.readme:
-            replace_section(args.readme, START, END, table)
+    if reported(parser, args, report, START, END):
         return
-    if not args.out:
-        parser.error("--out is required to run the benchmark")
     providers = args.providers.split(",")
     meta = provenance.provenance()
     warm_up_gpu(3.0)

@@ -20,3 +20,26 @@ def replace_section(path: str, start: str, end: str, text: str) -> None:
                     flags=re.S)
     with open(path, "w") as f:
         f.write(readme)
+
+
+def add_report_arguments(parser, readme: bool = True) -> None:
+    """A benchmark's --out (its results CSV), --report CSV (print the table instead) and, where the README has the
+    table between markers, --readme (write it there too)."""
+    parser.add_argument("--out")
+    parser.add_argument("--report", metavar="CSV", help="print the table of a results CSV instead (any machine)")
+    if readme:
+        parser.add_argument("--readme", help="with --report: write the table between the README's markers")
+
+
+def reported(parser, args, report, start: str | None = None, end: str | None = None) -> bool:
+    """With --report: print ``report(CSV)`` (and write it between ``start`` and ``end`` of --readme), True.
+    Otherwise the benchmark runs, which needs --out: False."""
+    if args.report:
+        table = report(args.report)
+        print(table)
+        if getattr(args, "readme", None):
+            replace_section(args.readme, start, end, table)
+        return True
+    if not args.out:
+        parser.error("--out is required to run the benchmark")
+    return False

@@ -25,7 +25,7 @@ from flashtrain.ops.attention import backward_kernels, forward_kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
-from readme import replace_section  # noqa: E402
+from readme import add_report_arguments, reported  # noqa: E402
 
 FIELDS = ["H", "D", "N", "P", "mode", "full_ms", "slowest_rank_ms", "efficiency", *provenance.FIELDS]
 
@@ -87,21 +87,13 @@ def report(path: str) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out")
-    parser.add_argument("--report", metavar="CSV", help="print the table of a results CSV instead (any machine)")
-    parser.add_argument("--readme", help="with --report: write the table between the README's markers")
+    add_report_arguments(parser)
     parser.add_argument("--seqs", nargs="+", type=int, default=[32768, 65536, 131072])
     parser.add_argument("--sizes", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--reps-ms", type=int, default=200)
     args = parser.parse_args()
-    if args.report:
-        table = report(args.report)
-        print(table)
-        if args.readme:
-            replace_section(args.readme, START, END, table)
+    if reported(parser, args, report, START, END):
         return
-    if not args.out:
-        parser.error("--out is required to run the benchmark")
     meta = provenance.provenance()
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)

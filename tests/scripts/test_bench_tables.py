@@ -1,8 +1,11 @@
 """The README tables of scripts/bench/masks.py and ring.py (CPU): cells, ratios, and the section they replace."""
 
+import argparse
 import csv
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 META = dict(gpu="GPU", torch="2", triton="3", commit="abc", date="2026-12-07")
@@ -35,9 +38,14 @@ def test_masks_table_and_readme_section(tmp_path):
     assert row in table.splitlines()
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n{masks.START}\nold\n{masks.END}\ntail\n")
-    masks.replace_section(str(readme), masks.START, masks.END, table)
+    parser = argparse.ArgumentParser()
+    load("readme").add_report_arguments(parser)
+    args = parser.parse_args(["--report", str(tmp_path / "masks.csv"), "--readme", str(readme)])
+    assert load("readme").reported(parser, args, masks.report, masks.START, masks.END)
     text = readme.read_text()
     assert "old" not in text and table in text and text.endswith("tail\n")
+    with pytest.raises(SystemExit):  # to run, a benchmark needs --out
+        load("readme").reported(parser, parser.parse_args([]), masks.report)
 
 
 def test_ring_table(tmp_path):
