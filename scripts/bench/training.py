@@ -158,9 +158,9 @@ def per_step(rows: list[dict]) -> str:
     return f"{steps[0]} tokens per step" if len(steps) == 1 else f"{steps[0]}-{steps[-1]} tokens per step"
 
 
-def report(path, plot_path=None):
-    """A markdown table (tokens/s and peak GiB per attention, a row per model and sequence length) and a PNG (a row
-    of panels per model) from a bench/training.py CSV."""
+def report(path, plot_path=None, mfu=False):
+    """A markdown table (tokens/s and peak GiB per attention, with ``mfu`` the MFU too; a row per model and
+    sequence length) and a PNG (a row of panels per model) from a bench/training.py CSV."""
     with open(path) as f:
         rows = list(csv.DictReader(f))
     for r in rows:  # a variant (vocabulary, masks) is a model of its own in the table and the plot
@@ -172,7 +172,7 @@ def report(path, plot_path=None):
         get.setdefault((r.get("model", ""), r["attn"], int(r["seq"])), r)
     first = rows[0]
     lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; bf16-mixed, "
-             f"{per_step(rows)}, median step after warm-up; tokens/s (peak GiB); raw rows: "
+             f"{per_step(rows)}, median step after warm-up; tokens/s (peak GiB{', MFU' if mfu else ''}); raw rows: "
              f"[`{path}`]({path}).", "",
              "| model | seq | " + " | ".join(attns) + " |", "|---|---|" + "---|" * len(attns)]
     for model in models:
@@ -185,7 +185,8 @@ def report(path, plot_path=None):
                 elif r["status"] != "ok":
                     cells.append(r["status"])
                 else:
-                    cells.append(f"{int(r['tokens_per_s']):,} ({float(r['peak_alloc_gib']):.1f})")
+                    extra = f", {float(r['mfu']):.2f}" if mfu and r.get("mfu") else ""
+                    cells.append(f"{int(r['tokens_per_s']):,} ({float(r['peak_alloc_gib']):.1f}{extra})")
             lines.append(f"| {model} | {seq} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     if plot_path:
@@ -321,6 +322,7 @@ def main(argv=None):
     parser.add_argument("--tmp", default="/tmp/flashtrain-bench")
     parser.add_argument("--report", metavar="CSV", help="print the table of an existing CSV instead")
     parser.add_argument("--plot", help="with --report or --plot-losses: write a PNG")
+    parser.add_argument("--mfu", action="store_true", help="with --report: each cell's MFU too")
     parser.add_argument("--losses-out", help="also write every step's training loss here")
     parser.add_argument("--tuning-out", help="also write the kernels' autotuned configs (what the runs used)")
     parser.add_argument("--plot-losses", metavar="CSV", help="plot a --losses-out CSV to --plot instead")
@@ -328,7 +330,7 @@ def main(argv=None):
     if args.plot_losses:
         print(plot_losses(args.plot_losses, args.plot or "losses.png"))
     elif args.report:
-        print(report(args.report, args.plot))
+        print(report(args.report, args.plot, args.mfu))
     else:
         bench(args)
 

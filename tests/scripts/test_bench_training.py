@@ -79,6 +79,12 @@ def test_report_table(tmp_path):
     assert "| gpt2-small-h128 | 4096 |  | 2,000 (9.5) |" in table  # a row per model, in the order run
     assert "| gpt2-small bpe | 4096 |  | 900 (14.0) |" in table  # a variant is a row of its own
     assert "32768 tokens per step" in table
+    with open(path, "a", newline="") as f:  # the MFU form: a cell with an MFU ends with it
+        csv.DictWriter(f, fieldnames=bench_training.FIELDS, restval="").writerow(
+            dict(attn="flash", seq=8192, seed=1, status="ok", tokens_per_s=500, peak_alloc_gib="20.0", mfu="0.412",
+                 model="gpt2-small", params_m="85.2", tokens_per_step="32768", gpu="GPU", torch="2", triton="3",
+                 date="2026-11-29"))
+    assert "| gpt2-small | 8192 |  | 500 (20.0, 0.41) |" in bench_training.report(str(path), mfu=True)
 
 
 def test_caption_of_one_sequence_a_step():
