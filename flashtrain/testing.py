@@ -35,6 +35,18 @@ def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float) -> N
     assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
 
 
+
+def assert_attention_close(pair, dtype: torch.dtype) -> None:
+    """``pair`` = ((out, lse, (dq, dk, dv)), (ref, ref_lse, (ref_dq, ref_dk, ref_dv))): the kernels' output, LSE and
+    gradients against a reference's, at ``dtype``'s TOLERANCE (the LSE float32, no looser than 1e-6)."""
+    (out, lse, grads), (ref, ref_lse, ref_grads) = pair
+    tol_out, tol_grad = TOLERANCE[dtype]
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert_close("out", out, ref, tol_out)
+    assert_close("lse", lse, ref_lse, max(tol_out, 1e-6))
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(name, g, r, tol_grad)
+
 def outlier_data(shape, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
     """FlashAttention-3's FP8 accuracy benchmark data: N(0, 1) with 0.1% of entries drawn from N(0, 100)."""
     x = torch.randn(shape, generator=generator, dtype=torch.float64)

@@ -6,7 +6,7 @@ import torch
 
 from flashtrain import flash_attention, flash_attention_varlen
 from flashtrain.ops.reference import attention_varlen_ref
-from flashtrain.testing import TOLERANCE, assert_close
+from flashtrain.testing import assert_attention_close
 
 # (lengths of q's sequences, of k's): empty sequences, a 1-token one, one longer than the interpreter's tiles,
 # seq_q != seq_k per sequence
@@ -44,16 +44,6 @@ def run_pair(q, k, v, cu_q, cu_k, causal, window=(-1, -1), scale=None):
     return (out, lse, grads), (ref, ref_lse, ref_grads)
 
 
-def check(pair, dtype):
-    (out, lse, grads), (ref, ref_lse, ref_grads) = pair
-    tol_out, tol_grad = TOLERANCE[dtype]
-    assert out.shape == ref.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
-    assert_close("out", out, ref, tol_out)
-    assert_close("lse", lse, ref_lse, max(tol_out, 1e-6))
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert_close(name, g, r, tol_grad)
-
-
 # each set of lengths under every mask on q_ne_k, the others under one causal and one windowed mask each
 VARLEN_CASES = [("q_ne_k", c, w) for c in (False, True) for w in ((-1, -1), (4, -1), (3, 2))] + [
     ("ragged", True, (-1, -1)), ("ragged", False, (3, 2)), ("one_long", True, (4, -1)), ("one_long", False, (-1, -1))]
@@ -63,14 +53,14 @@ VARLEN_CASES = [("q_ne_k", c, w) for c in (False, True) for w in ((-1, -1), (4, 
 @pytest.mark.parametrize("lengths, causal, window", VARLEN_CASES, ids=str)
 def test_varlen_matches_reference(lengths, causal, window, device):
     q, k, v, cu_q, cu_k = make_packed(*LENGTHS[lengths], 4, 2, 24, torch.float64, device)
-    check(run_pair(q, k, v, cu_q, cu_k, causal, window), torch.float64)
+    assert_attention_close(run_pair(q, k, v, cu_q, cu_k, causal, window), torch.float64)
 
 
 @pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_varlen_low_precision(dtype, device):
     q, k, v, cu_q, cu_k = make_packed([40, 17, 64], [40, 17, 64], 2, 1, 40, dtype, device)
-    check(run_pair(q, k, v, cu_q, cu_k, True), dtype)
+    assert_attention_close(run_pair(q, k, v, cu_q, cu_k, True), dtype)
 
 
 @pytest.mark.usefixtures("poison_allocations")
@@ -79,7 +69,7 @@ def test_rows_past_the_last_offset(device):
     gradient; the poisoned allocations show that every such row is written."""
     q, k, v, cu_q, cu_k = make_packed([9, 30], [12, 30], 2, 2, 16, torch.float64, device, tail=(75, 6))
     pair = run_pair(q, k, v, cu_q, cu_k, True)
-    check(pair, torch.float64)
+    assert_attention_close(pair, torch.float64)
     (out, lse, (dq, dk, dv)), _ = pair
     assert torch.equal(out[39:], torch.zeros_like(out[39:])) and torch.isneginf(lse[:, 39:]).all()
     assert not dq[39:].any() and not dk[42:].any() and not dv[42:].any()
@@ -101,7 +91,7 @@ def test_strided_packed_views(device):
     q, k, v = (qkv[:, i].detach().requires_grad_() for i in range(3))
     assert not q.is_contiguous()
     cu = offsets([25, 35], device)
-    check(run_pair(q, k, v, cu, cu, True), torch.float64)
+    assert_attention_close(run_pair(q, k, v, cu, cu, True), torch.float64)
 
 
 def test_varlen_gradcheck(device):

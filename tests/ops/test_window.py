@@ -5,7 +5,7 @@ import torch
 
 from flashtrain import flash_attention
 from flashtrain.ops.reference import attention_ref
-from flashtrain.testing import TOLERANCE, assert_close
+from flashtrain.testing import assert_attention_close, assert_close
 
 from .test_attention import make_qkv
 
@@ -26,15 +26,6 @@ def run_pair(q, k, v, window, causal, scale=None):
     return (out, lse, grads), (ref, ref_lse, ref_grads)
 
 
-def check(pair, dtype):
-    (out, lse, grads), (ref, ref_lse, ref_grads) = pair
-    tol_out, tol_grad = TOLERANCE[dtype]
-    assert_close("out", out, ref, tol_out)
-    assert_close("lse", lse, ref_lse, max(tol_out, 1e-6))
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert_close(name, g, r, tol_grad)
-
-
 # every window on one shape; the other shapes (GQA with seq_k > seq_q, seq_q > seq_k) take every other window
 CASES = [(SHAPES[0], w, c) for w, c in WINDOWS] + [(SHAPES[1 + i % 2], w, c) for i, (w, c) in enumerate(WINDOWS)]
 
@@ -43,7 +34,7 @@ CASES = [(SHAPES[0], w, c) for w, c in WINDOWS] + [(SHAPES[1 + i % 2], w, c) for
 @pytest.mark.parametrize("shape, window, causal", CASES, ids=str)
 def test_window_matches_reference(shape, window, causal, device):
     q, k, v = make_qkv(shape, torch.float64, device, requires_grad=True)
-    check(run_pair(q, k, v, window, causal), torch.float64)
+    assert_attention_close(run_pair(q, k, v, window, causal), torch.float64)
 
 
 @pytest.mark.usefixtures("poison_allocations")
@@ -51,7 +42,7 @@ def test_window_matches_reference(shape, window, causal, device):
 @pytest.mark.parametrize("window, causal", [((8, -1), True), ((20, 5), False)], ids=str)
 def test_window_low_precision_and_long(window, causal, dtype, device):
     q, k, v = make_qkv(SHAPES[3], dtype, device, requires_grad=True)
-    check(run_pair(q, k, v, window, causal), dtype)
+    assert_attention_close(run_pair(q, k, v, window, causal), dtype)
 
 
 def test_window_with_key_padding_and_scale(device):
@@ -72,7 +63,7 @@ def test_window_with_seq_q_blocks_beyond_seq_k(shape, window, causal, device):
     """seq_q - seq_k of a query block or more: the first blocks' windows hold no key at all (their rows get zeros,
     LSE -inf), and no block before the first key is visited."""
     q, k, v = make_qkv(shape, torch.float64, device, requires_grad=True)
-    check(run_pair(q, k, v, window, causal), torch.float64)
+    assert_attention_close(run_pair(q, k, v, window, causal), torch.float64)
 
 
 @pytest.mark.parametrize("window, causal", [((3, -1), True), ((2, 4), False)], ids=str)
