@@ -50,7 +50,7 @@ def backward_kernels(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     if choice.kernel == dispatch.HOPPER:
         return hopper_kernels.kernel_module("bwd").attention_bwd_hopper(dout, q, k, v, out, lse, dlse, causal, scale)
     return attention_bwd(dout, q, k, v, out, lse, dlse, causal, scale, key_padding_mask, dropout_p, seed,
-                         window_size, varlen)
+                         window_size, varlen, split_dkdv=choice.kernel == dispatch.TRITON_SPLIT)
 
 
 def _varlen(cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,

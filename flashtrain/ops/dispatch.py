@@ -3,14 +3,16 @@
 Three decisions, each returning a ``Choice(kernel, reason)`` with kernel ``"triton"`` or ``"hopper"``:
 
 * ``forward``: the 16-bit forward: ``kernels/attention/fwd.py`` or the warp-specialised ``kernels/hopper/fwd.py``;
-* ``backward``: the 16-bit backward: ``kernels/attention/bwd.py`` (two kernels, deterministic) or the five-matmul
-  ``kernels/hopper/bwd.py`` (head_dim 64; dQ summed with fp32 atomics, so not bitwise reproducible);
+* ``backward``: the 16-bit backward: ``kernels/attention/bwd.py`` (two kernels, deterministic; ``"triton_split"``:
+  with dK and dV in two launches of its dK/dV kernel) or the five-matmul ``kernels/hopper/bwd.py`` (head_dim 64; dQ
+  summed with fp32 atomics, so not bitwise reproducible);
 * ``fp8_forward``: the FP8 forward: ``kernels/fp8/fwd.py`` or ``kernels/hopper/fp8_fwd.py``.
 
 A Hopper kernel runs where it can (an sm_90 GPU, a Triton with Gluon, inputs it handles, tensors TMA can address)
 and, in the default "auto" mode, where it was measured faster: from the sequence lengths in the ``*_MIN_SEQ``
 tables, kept per GPU architecture (compute capability). ``hopper_forward(mode)`` and ``hopper_backward(mode)``
-switch the mode within a block: "always" (wherever it can; tests), "never" (the Triton kernels; benchmarks).
+switch the mode within a block: "always" (wherever it can; tests), "never" (the Triton kernels; benchmarks);
+``split_dkdv(mode)`` does the same for the split dK/dV launches (``SPLIT_DKDV_MIN_HEAD_DIM``).
 
 The reasons are fixed strings (no formatting on the hot path); ``explain`` formats one for people.
 """
@@ -29,7 +31,7 @@ from flashtrain.kernels.hopper.tiles import (FP8_HOPPER_FWD_CONFIGS, HOPPER_BWD_
 from flashtrain.kernels.launch import INTERPRET, device_capability
 from flashtrain.kernels.tuning import is_forced
 
-TRITON, HOPPER = "triton", "hopper"
+TRITON, TRITON_SPLIT, HOPPER = "triton", "triton_split", "hopper"
 SM90 = (9, 0)
 
 # Shortest sequence (the longer of seq_q, seq_k) at which each Hopper kernel is the faster one, per compute
@@ -40,6 +42,10 @@ HOPPER_BWD_MIN_SEQ = {SM90: {False: 4096, True: 8192}}
 # (head_dim, causal) -> shortest sequence for the FP8 Hopper forward
 FP8_HOPPER_FWD_MIN_SEQ = {SM90: {(128, False): 1024, (128, True): 2048, (256, False): 512, (256, True): 512}}
 
+# Narrowest head_dim from which the Triton backward writes dK and dV in two launches (one fp32 accumulator each,
+# so key tiles of a whole wgmma height fit), per compute capability; none yet: not measured faster anywhere.
+SPLIT_DKDV_MIN_HEAD_DIM: dict = {}
+
 F16_NORMAL_MIN, F16_MAX = 2.0 ** -14, 65504.0  # float16's smallest normal and largest finite values
 
 
@@ -49,13 +55,13 @@ class Choice(NamedTuple):
     reason: str
 
 
-_modes = {"forward": "auto", "backward": "auto"}
+_modes = {"forward": "auto", "backward": "auto", "split_dkdv": "auto"}
 
 
 @contextlib.contextmanager
-def _mode(direction: str, mode: str):
+def _mode(direction: str, mode: str, switch: str | None = None):
     if mode not in ("auto", "always", "never"):
-        raise ValueError(f"hopper_{direction}: mode={mode!r}; expected 'auto', 'always' or 'never'")
+        raise ValueError(f"{switch or 'hopper_' + direction}: mode={mode!r}; expected 'auto', 'always' or 'never'")
     saved = _modes[direction]
     _modes[direction] = mode
     try:
@@ -73,6 +79,12 @@ def hopper_forward(mode: str):
 def hopper_backward(mode: str):
     """Within the block, run the Hopper backward per ``mode``: "auto" (the default), "always" or "never"."""
     return _mode("backward", mode)
+
+
+def split_dkdv(mode: str):
+    """Within the block, the Triton backward writes dK and dV in two launches per ``mode``: "auto" (the default:
+    from ``SPLIT_DKDV_MIN_HEAD_DIM``), "always" or "never"."""
+    return _mode("split_dkdv", mode, "split_dkdv")
 
 
 def hopper_forward_mode() -> str:
@@ -170,6 +182,23 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
              key_padding_mask: torch.Tensor | None, dropout_p: float, window_size: tuple[int, int] = (-1, -1),
              varlen: bool = False) -> Choice:
     """The 16-bit backward's kernel for these inputs (``do``: the output's gradient, whose layout TMA reads too)."""
+    choice = _backward_family(q, k, v, do, causal, key_padding_mask, dropout_p, window_size, varlen)
+    if choice.kernel != TRITON:
+        return choice
+    mode = _modes["split_dkdv"]
+    if mode == "always":
+        return Choice(TRITON_SPLIT, "dK and dV in two launches forced (split_dkdv mode 'always')")
+    if mode == "auto" and q.is_cuda and not INTERPRET:
+        min_head_dim = SPLIT_DKDV_MIN_HEAD_DIM.get(device_capability(q.device))
+        if min_head_dim is not None and q.shape[3] >= min_head_dim:
+            return Choice(TRITON_SPLIT, "a head_dim where dK and dV in two launches are faster")
+    return choice
+
+
+def _backward_family(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
+                     key_padding_mask: torch.Tensor | None, dropout_p: float, window_size: tuple[int, int],
+                     varlen: bool) -> Choice:
+    """``backward``'s choice between the Triton and the Hopper kernels."""
     mode = _modes["backward"]
     if torch.are_deterministic_algorithms_enabled():
         return Choice(TRITON, "deterministic algorithms requested (the Hopper backward's dQ uses atomics)")

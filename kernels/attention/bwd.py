@@ -89,8 +89,10 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               MASKED: tl.constexpr, PRECISION: tl.constexpr,
                               HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr,
-                              CAUSAL: tl.constexpr = True, left_offset=0, LOCAL: tl.constexpr = False):
-    """Accumulate one query head's query blocks [lo, hi) into dK, dV of the resident key block.
+                              CAUSAL: tl.constexpr = True, left_offset=0, LOCAL: tl.constexpr = False,
+                              WANT_DK: tl.constexpr = True, WANT_DV: tl.constexpr = True):
+    """Accumulate one query head's query blocks [lo, hi) into dK, dV of the resident key block (WANT_DK,
+    WANT_DV: only the one asked for, the other returned as it came).
 
     Works on transposed tiles, (BLOCK_N, BLOCK_M), so K and V stay the left operands. Query rows past
     seq_q load as zeros with lse = +inf, so their P is exactly 0 and they add nothing; MASKED adds the
@@ -126,16 +128,20 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_bas
                 p_t = tl.where(visible, p_t, 0.0)
             elif CAUSAL:
                 p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=dk.dtype)
+        if WANT_DK:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=dk.dtype)
         if DROPOUT:
             keep_t = _dropout_keep(seed, rng_base, rows[None, :], offs_n[:, None], seq_k, dropout_p)
-            dv = tl.dot(tl.where(keep_t, _scale(p_t, keep_scale, keep_scale_lo), 0.0).to(do.dtype), do, dv,
-                        input_precision=PRECISION, out_dtype=dv.dtype)
-            dp_t = tl.where(keep_t, _scale(dp_t, keep_scale, keep_scale_lo), 0.0)
-        else:
+            if WANT_DV:
+                dv = tl.dot(tl.where(keep_t, _scale(p_t, keep_scale, keep_scale_lo), 0.0).to(do.dtype), do, dv,
+                            input_precision=PRECISION, out_dtype=dv.dtype)
+            if WANT_DK:
+                dp_t = tl.where(keep_t, _scale(dp_t, keep_scale, keep_scale_lo), 0.0)
+        elif WANT_DV:
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION, out_dtype=dv.dtype)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION, out_dtype=dk.dtype)
+        if WANT_DK:
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION, out_dtype=dk.dtype)
     return dk, dv
 
 
@@ -157,13 +163,16 @@ def attention_bwd_dkdv_kernel(
     PRECISION: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     EVEN_M: tl.constexpr,  # seq_q % BLOCK_M == 0 (the launcher tests seq_q % tiles.EVEN_M_MULTIPLE)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WANT_DK: tl.constexpr = True, WANT_DV: tl.constexpr = True,  # False, False is not a launch
 ):
     """One program: BLOCK_N keys of one (batch, KV head). Grid (cdiv(seq_k, BLOCK_N), H_kv, B).
 
     Q, DO: (B, H_q, seq_q, D); K, V, DK, DV: (B, H_kv, seq_k, D); LSE (log2 domain), DELTA: (B, H_q, seq_q)
     contiguous; KB, seed, dropout_p as in the forward. Scales come as ``split_scale`` pairs. sections: the causal
     launch sections of the (batch, KV head) pairs (``masking.causal_sections``). VARLEN: as in the forward, the
-    grid's last batch index zeroing dK, dV of the keys past CU_K[n].
+    grid's last batch index zeroing dK, dV of the keys past CU_K[n]. WANT_DK / WANT_DV: compute and write only dK
+    (five matmul-sized products a block pair: S, dP, dK) or only dV (S, dV); two such launches hold one fp32
+    accumulator each, so larger key tiles fit (``dispatch.split_dkdv``).
     """
     pid_n, off_hk, off_b = _key_block_coords(sections, CAUSAL)  # causal: heaviest (first) key blocks first
     b, q_start, k_start, len_q, len_k = _sequence(CU_Q, CU_K, off_b, seq_q, seq_k, VARLEN)
@@ -191,8 +200,11 @@ def attention_bwd_dkdv_kernel(
     dv_base += start_n.to(tl.int64) * stride_dvn
     k = _load_rows(k_base + tile_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                    offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(v_base + tile_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                   offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    if WANT_DK:  # V only enters dP
+        v = _load_rows(v_base + tile_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    else:
+        v = k
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=acc_dtype)
     bias_n = tl.zeros([BLOCK_N], dtype=acc_dtype)
@@ -219,27 +231,29 @@ def attention_bwd_dkdv_kernel(
                                            len_q, len_k, causal_offset, qk_scale, qk_scale_lo,
                                            seed, row_base, dropout_p, keep_scale, keep_scale_lo,
                                            HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_BIAS, DROPOUT, EVEN_M,
-                                           CAUSAL, left_offset, LOCAL)
+                                           CAUSAL, left_offset, LOCAL, WANT_DK, WANT_DV)
         # stage 2: query blocks that see the whole key block, no mask (packed: whole blocks of the sequence only)
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
                                            bias_n, stride_qm, stride_dom, mid, full_hi, offs_m, offs_n, offs_d,
                                            len_q, len_k, causal_offset, qk_scale, qk_scale_lo,
                                            seed, row_base, dropout_p, keep_scale, keep_scale_lo,
                                            HEAD_DIM, BLOCK_D, BLOCK_M, False, PRECISION, HAS_KEY_BIAS, DROPOUT,
-                                           EVEN_M or VARLEN)
+                                           EVEN_M or VARLEN, WANT_DK=WANT_DK, WANT_DV=WANT_DV)
         if LOCAL or VARLEN:  # stage 3: blocks crossing the window's left edge, or the sequence's ragged end: masked
             dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
                                                bias_n, stride_qm, stride_dom, full_hi, hi, offs_m, offs_n, offs_d,
                                                len_q, len_k, causal_offset, qk_scale, qk_scale_lo,
                                                seed, row_base, dropout_p, keep_scale, keep_scale_lo,
                                                HEAD_DIM, BLOCK_D, BLOCK_M, True, PRECISION, HAS_KEY_BIAS, DROPOUT,
-                                               EVEN_M, CAUSAL, left_offset, LOCAL)
+                                               EVEN_M, CAUSAL, left_offset, LOCAL, WANT_DK, WANT_DV)
 
     out_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
-    dk_ptrs = dk_base + tile_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    tl.store(dk_ptrs, _scale(dk, sm_scale, sm_scale_lo).to(DK.dtype.element_ty), mask=out_mask)
-    dv_ptrs = dv_base + tile_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
+    if WANT_DK:
+        dk_ptrs = dk_base + tile_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+        tl.store(dk_ptrs, _scale(dk, sm_scale, sm_scale_lo).to(DK.dtype.element_ty), mask=out_mask)
+    if WANT_DV:
+        dv_ptrs = dv_base + tile_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_mask)
 
     if VARLEN:  # keys past the last sequence: no gradient
         first, stop, step = _tail_rows(CU_K, off_b, pid_n, seq_k, BLOCK_N)
@@ -247,10 +261,12 @@ def attention_bwd_dkdv_kernel(
             rows = r + tl.arange(0, BLOCK_N)
             tail_mask = (rows[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
             zeros = tl.zeros([BLOCK_N, BLOCK_D], DK.dtype.element_ty)
-            tl.store(DK + off_hk.to(tl.int64) * stride_dkh + rows[:, None].to(tl.int64) * stride_dkn
-                     + offs_d[None, :] * stride_dkd, zeros, mask=tail_mask)
-            tl.store(DV + off_hk.to(tl.int64) * stride_dvh + rows[:, None].to(tl.int64) * stride_dvn
-                     + offs_d[None, :] * stride_dvd, zeros, mask=tail_mask)
+            if WANT_DK:
+                tl.store(DK + off_hk.to(tl.int64) * stride_dkh + rows[:, None].to(tl.int64) * stride_dkn
+                         + offs_d[None, :] * stride_dkd, zeros, mask=tail_mask)
+            if WANT_DV:
+                tl.store(DV + off_hk.to(tl.int64) * stride_dvh + rows[:, None].to(tl.int64) * stride_dvn
+                         + offs_d[None, :] * stride_dvd, zeros, mask=tail_mask)
 
 
 @triton.jit
@@ -379,6 +395,10 @@ def attention_bwd_dq_kernel(
 
 _attention_bwd_dkdv_tuned = tuning.autotuned(attention_bwd_dkdv_kernel, tiles.DKDV_CANDIDATES,
                                               tiles.DKDV_CANDIDATES_WIDE, tiles.WIDE_HEAD_DIM, extra_key=["EVEN_M"])
+# dK and dV in two launches (``split_dkdv``): one fp32 accumulator a program, so wide heads get larger key tiles
+_attention_bwd_dkdv_split_tuned = tuning.autotuned(attention_bwd_dkdv_kernel, tiles.DKDV_CANDIDATES,
+                                                    tiles.DKDV_SPLIT_CANDIDATES_WIDE, tiles.WIDE_HEAD_DIM,
+                                                    extra_key=["EVEN_M", "WANT_DK", "WANT_DV"])
 _attention_bwd_dq_tuned = tuning.autotuned(attention_bwd_dq_kernel, tiles.DQ_CANDIDATES, tiles.DQ_CANDIDATES_WIDE,
                                            tiles.WIDE_HEAD_DIM)
 
@@ -404,12 +424,13 @@ def backward_delta(out: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | Non
 @on_input_device
 def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
                   key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0,
-                  window_size: tuple[int, int] = (-1, -1), varlen: Varlen | None = None):
+                  window_size: tuple[int, int] = (-1, -1), varlen: Varlen | None = None, split_dkdv: bool = False):
     """Launch the backward kernels. Returns (dq, dk, dv), each ``empty_like`` its input.
 
     do, out: (B, H_q, N_q, D); lse: (B, H_q, N_q), the log2-domain LSE from ``attention_fwd``; dlse: the gradient of
     the natural-log LSE, same shape, or None. Any strides for do, q, k, v, out. key_padding_mask, dropout_p, seed,
-    window_size and varlen: exactly as given to ``attention_fwd``.
+    window_size and varlen: exactly as given to ``attention_fwd``. split_dkdv: dK and dV in two launches of the
+    dK/dV kernel (one product more a block pair, one accumulator each; ``flashtrain.ops.dispatch`` decides).
     """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
@@ -440,7 +461,7 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
         scalars = (rows_q, rows_k, *split_scale(scale), *split_scale(scale * LOG2E), mask.left, mask.right,
                    *dropout_args(dropout_p, seed))
         dkdv_sections = causal_sections(mask.causal, grid_b * heads_kv,
-                                        cdiv(grid_k, tiles.largest_tile("dkdv", head_dim)), 1, grid_q,
+                                        cdiv(grid_k, tiles.largest_tile(dkdv_tiles, head_dim)), 1, grid_q,
                                         group * (row_bytes + 2 * lse.element_size()), q.device)
         dq_sections = causal_sections(mask.causal, grid_b * heads_q, cdiv(grid_q, tiles.largest_tile("dq", head_dim)),
                                       group, grid_k, row_bytes, q.device)
@@ -449,6 +470,7 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
                 (q, k, v, do, lse, delta, dq, kb, cu_q, cu_k, *common, *dq.stride(), stride_kbb, *scalars,
                  dq_sections, *dq_keys))
 
+    dkdv_tiles = "dkdv_split" if split_dkdv else "dkdv"
     dense_self = varlen is None and seq_q == seq_k
     # each kernel's proxy in its own wave bucket: dK/dV has a program per (key block, KV head), dQ per query head's
     dkdv_rows = tuning.proxy_rows(batch * heads_kv, seq_k, q.device) if dense_self else None
@@ -467,12 +489,16 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     longest = max(grid_q, grid_k)
     # EVEN_M drops the row masks of the query loads: packed sequences have ragged ends wherever they stop
     even_m = varlen is None and seq_q % tiles.EVEN_M_MULTIPLE == 0
-    tuning.launch_tuned("dkdv", _attention_bwd_dkdv_tuned, attention_bwd_dkdv_kernel,
-                        lambda m: (cdiv(grid_k, m["BLOCK_N"]), heads_kv, grid_b), dkdv_args,
-                        tiles.fixed_config("dkdv", bd, longest) if fixed else None,
-                        None if dkdv_rows is None else lambda: (
-                            lambda m: (cdiv(dkdv_rows, m["BLOCK_N"]), heads_kv, batch), proxy_args(dkdv_rows)[0]),
-                        **meta, EVEN_M=even_m)
+    # split: a dK launch, then a dV launch, each tuned on its own; otherwise one launch writes both
+    for dkdv_meta in ((dict(WANT_DK=True, WANT_DV=False), dict(WANT_DK=False, WANT_DV=True)) if split_dkdv
+                      else (dict(),)):
+        tuning.launch_tuned("dkdv", _attention_bwd_dkdv_split_tuned if split_dkdv else _attention_bwd_dkdv_tuned,
+                            attention_bwd_dkdv_kernel,
+                            lambda m: (cdiv(grid_k, m["BLOCK_N"]), heads_kv, grid_b), dkdv_args,
+                            tiles.fixed_config("dkdv", bd, longest) if fixed else None,
+                            None if dkdv_rows is None else lambda: (
+                                lambda m: (cdiv(dkdv_rows, m["BLOCK_N"]), heads_kv, batch), proxy_args(dkdv_rows)[0]),
+                            **meta, EVEN_M=even_m, **dkdv_meta)
     tuning.launch_tuned("dq", _attention_bwd_dq_tuned, attention_bwd_dq_kernel,
                         lambda m: (cdiv(grid_q, m["BLOCK_M"]), heads_q, grid_b), dq_args,
                         tiles.fixed_config("dq", bd, longest) if fixed else None,

@@ -45,6 +45,14 @@ DKDV_CANDIDATES_WIDE = _configs([
     (64, 32, 8, 2),
     (16, 64, 8, 2),
 ])
+# dK/dV in two launches, one accumulator each (head_dim > WIDE_HEAD_DIM; narrower heads reuse DKDV_CANDIDATES):
+# key tiles of 64 rows a warpgroup, the height of one Hopper wgmma, which the fused list mostly does not reach
+# (docs/tuning.md: what ptxas reports for each)
+DKDV_SPLIT_CANDIDATES_WIDE = _configs([
+    (32, 64, 4, 2),
+    (32, 128, 8, 2),
+    (16, 128, 8, 2),
+])
 # dQ: query tile outer and large, key tile streamed; Q, dO and dQ of BLOCK_M rows stay resident.
 DQ_CANDIDATES = _configs([
     (128, 32, 4, 3),
@@ -99,9 +107,10 @@ def fixed_config(kernel: str, block_d: int, seq_len: int) -> dict:
 @functools.cache  # every launch asks (host time): the candidate lists are fixed
 def largest_tile(kernel: str, head_dim: int) -> int:
     """The most rows a tile of the tuned ``kernel`` may hold at ``head_dim``, over the candidates the tuner picks
-    from: query rows (BLOCK_M) for 'fwd' and 'dq', keys (BLOCK_N) for 'dkdv'. The launchers count their causal
-    sections in tiles of this size, since the tuned tile is not known before the launch."""
+    from: query rows (BLOCK_M) for 'fwd' and 'dq', keys (BLOCK_N) for 'dkdv' and 'dkdv_split'. The launchers
+    count their causal sections in tiles of this size, since the tuned tile is not known before the launch."""
     key, narrow, wide = {"fwd": ("BLOCK_M", FWD_CANDIDATES, FWD_CANDIDATES_WIDE),
                          "dkdv": ("BLOCK_N", DKDV_CANDIDATES, DKDV_CANDIDATES_WIDE),
+                         "dkdv_split": ("BLOCK_N", DKDV_CANDIDATES, DKDV_SPLIT_CANDIDATES_WIDE),
                          "dq": ("BLOCK_M", DQ_CANDIDATES, DQ_CANDIDATES_WIDE)}[kernel]
     return max(c.kwargs[key] for c in (wide if head_dim > WIDE_HEAD_DIM else narrow))

@@ -5,7 +5,8 @@ head_dim 64 and 128, seq 1k..16k, causal and not; plus head_dim 256, seq 32k and
 KV head). Providers: flashtrain, SDPA's flash / cuDNN / efficient backends, FlexAttention (compiled); on
 request (--providers) flashtrain's FP8 path: flashtrain_fp8_fwd (fp8="forward") and flashtrain_fp8 ("full"),
 and flashtrain with its forward kernel fixed: flashtrain_triton (the Triton forward), flashtrain_hopper (the
-warp-specialised Hopper forward wherever it applies); plain flashtrain picks between them.
+warp-specialised Hopper forward wherever it applies); plain flashtrain picks between them. flashtrain_split_dkdv and
+flashtrain_fused_dkdv: the Triton backward with dK and dV in two launches or in one (``dispatch.split_dkdv``).
 FLOPs: forward 4*B*H*N*N*D (half when causal), backward 2.5x forward. Medians of triton.testing.do_bench,
 each after one untimed call (compile, autotune) and 0.3 s of GPU warm-up.
 
@@ -22,6 +23,7 @@ gpu, torch, triton, commit, date) to --out. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import sys
@@ -52,7 +54,9 @@ FP8_PROVIDERS = {"flashtrain_fp8_fwd": "forward", "flashtrain_fp8": "full",
 # optional: flashtrain with its forward kernel chosen by hand (dispatch.hopper_forward), "flashtrain" being "auto":
 # the Triton forward everywhere, or the warp-specialised Hopper forward wherever it applies
 FORWARD_PROVIDERS = {"flashtrain_triton": "never", "flashtrain_hopper": "always"}
-SPEED_PROVIDERS = [*PROVIDERS, *FP8_PROVIDERS, *FORWARD_PROVIDERS]  # what --providers accepts
+# optional: flashtrain with dK and dV in two launches of its Triton backward, or in one (dispatch.split_dkdv)
+SPLIT_PROVIDERS = {"flashtrain_split_dkdv": "always", "flashtrain_fused_dkdv": "never"}
+SPEED_PROVIDERS = [*PROVIDERS, *FP8_PROVIDERS, *FORWARD_PROVIDERS, *SPLIT_PROVIDERS]  # what --providers accepts
 
 
 def attention_flops(batch, heads, seq, head_dim, causal, mode):
@@ -73,6 +77,8 @@ def make_provider(name, causal, seq, gqa):
             with dispatch.hopper_forward(mode):
                 return flash_attention(q, k, v, causal=causal)
         return flashtrain_forward
+    if name in SPLIT_PROVIDERS:  # bench_speed sets the mode: the backward reads it when it runs
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal)
     if name in FP8_PROVIDERS:
         smooth_k = not name.endswith("_nosmooth")
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, fp8=FP8_PROVIDERS[name], smooth_k=smooth_k)
@@ -104,7 +110,9 @@ def bench_speed(provider, batch, heads, heads_kv, seq, head_dim, causal, dtype):
     q = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-    return time_directions(make_provider(provider, causal, seq, heads != heads_kv), q, k, v)
+    split = SPLIT_PROVIDERS.get(provider)
+    with dispatch.split_dkdv(split) if split else contextlib.nullcontext():
+        return time_directions(make_provider(provider, causal, seq, heads != heads_kv), q, k, v)
 
 
 def time_directions(fn, q, k, v):

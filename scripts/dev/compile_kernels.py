@@ -91,8 +91,10 @@ def signature(kernel, pointers: dict, constexprs: dict) -> dict:
 
 
 def compile_one(kernel, pointers, constexprs, target, num_warps=4, num_stages=2):
+    # compile-time parameters with a default take it unless given (the signature would call them i32)
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
     attrs, ones = specialization(kernel, pointers, constexprs)
-    constexprs = {**constexprs, **ones}
+    constexprs = {**defaults, **constexprs, **ones}
     source = ASTSource
     if getattr(kernel, "is_gluon", lambda: False)():  # the Hopper kernels, in Gluon
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -109,6 +111,10 @@ def attention_jobs(dtype="bf16", quick=False, target_arch=90):
                   "DELTA": "*fp32", "KB": "*fp32", "DLSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     kinds = [("fwd", attention_fwd_kernel, attention_tiles.FWD_CANDIDATES, attention_tiles.FWD_CANDIDATES_WIDE),
              ("dkdv", attention_bwd_dkdv_kernel, attention_tiles.DKDV_CANDIDATES, attention_tiles.DKDV_CANDIDATES_WIDE),
+             ("dkdv split dK", attention_bwd_dkdv_kernel, attention_tiles.DKDV_CANDIDATES,
+              attention_tiles.DKDV_SPLIT_CANDIDATES_WIDE),
+             ("dkdv split dV", attention_bwd_dkdv_kernel, attention_tiles.DKDV_CANDIDATES,
+              attention_tiles.DKDV_SPLIT_CANDIDATES_WIDE),
              ("dq", attention_bwd_dq_kernel, attention_tiles.DQ_CANDIDATES, attention_tiles.DQ_CANDIDATES_WIDE)]
     dense = dict(LOCAL=False, VARLEN=False)
     variants = [dict(CAUSAL=True, HAS_KEY_BIAS=False, DROPOUT=False, **dense),
@@ -123,8 +129,10 @@ def attention_jobs(dtype="bf16", quick=False, target_arch=90):
                                 **cfg.kwargs)
                     if name == "fwd":
                         meta["SCALE_EARLY"] = variant["HAS_KEY_BIAS"]
-                    if name == "dkdv":  # both load forms: masked rows (ragged seq_q) and EVEN_M
+                    if name.startswith("dkdv"):  # both load forms: masked rows (ragged seq_q) and EVEN_M
                         meta["EVEN_M"] = variant["CAUSAL"] and not variant["VARLEN"]
+                    if name.startswith("dkdv split"):  # one of the two launches (dispatch.split_dkdv)
+                        meta.update(WANT_DK=name.endswith("dK"), WANT_DV=name.endswith("dV"))
                     yield (f"{name} D={head_dim} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages} {variant}",
                            kernel, common_ptr, meta, cfg.num_warps, cfg.num_stages)
     if target_arch == 90:  # the warp-specialised forward: sm_90 only (wgmma, setmaxnreg)

@@ -9,7 +9,8 @@ from flashtrain.ops import dispatch
 def test_every_dkdv_tile_divides_the_even_multiple():
     """EVEN_M (no row masks in the dK/dV kernel) is decided by seq_q % EVEN_M_MULTIPLE: every BLOCK_M the
     kernel may run with must divide it, or rows past seq_q would be read unmasked."""
-    tiles = [c.kwargs["BLOCK_M"] for c in (*attention_tiles.DKDV_CANDIDATES, *attention_tiles.DKDV_CANDIDATES_WIDE)]
+    tiles = [c.kwargs["BLOCK_M"] for c in (*attention_tiles.DKDV_CANDIDATES, *attention_tiles.DKDV_CANDIDATES_WIDE,
+                                           *attention_tiles.DKDV_SPLIT_CANDIDATES_WIDE)]
     tiles += [t[0] for t in (attention_tiles.INTERPRET_DKDV, attention_tiles.INTERPRET_LONG_DKDV, attention_tiles.FP64,
                              attention_tiles.FP64_WIDE)]
     assert all(attention_tiles.EVEN_M_MULTIPLE % m == 0 for m in tiles)
@@ -21,6 +22,7 @@ def test_largest_tile():
     assert [attention_tiles.largest_tile(kernel, 256) for kernel in ("fwd", "dkdv", "dq")] == [128, 64, 64]
     assert attention_tiles.largest_tile("dkdv", 64) == max(c.kwargs["BLOCK_N"]
                                                            for c in attention_tiles.DKDV_CANDIDATES)
+    assert [attention_tiles.largest_tile("dkdv_split", d) for d in (128, 256)] == [128, 128]
 
 
 def test_hopper_forward_configs_cover_their_thresholds():

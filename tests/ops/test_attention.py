@@ -11,6 +11,7 @@ import torch
 
 from flashtrain import flash_attention
 from flashtrain.kernels import masking
+from flashtrain.ops import dispatch
 from flashtrain.ops.reference import attention_ref
 from flashtrain.testing import TOLERANCE, assert_close
 
@@ -82,6 +83,42 @@ def test_backward(shape, causal, dtype, device):
 def test_backward_whole_query_blocks(causal, dtype, device):
     """seq_q a multiple of 128: the dK/dV kernel's unmasked (EVEN_M) loads, with seq_k longer (causal offset)."""
     check_backward(*make_qkv((1, 2, 1, 128, 160, 40), dtype, device, requires_grad=True), causal)
+
+
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape, dtype", [(SHAPES[2], torch.float16), *((shape, torch.float64) for shape in (
+    SHAPES[2], SHAPES[3], SHAPES[4], (1, 2, 1, 128, 160, 40)))], ids=str)
+def test_backward_with_dk_and_dv_apart(shape, dtype, causal, device):
+    """dK and dV in two launches (``dispatch.split_dkdv``): right against the reference (GQA, seq_q != seq_k,
+    whole query blocks), and with the fixed tiles of the interpreter and float64 bitwise equal to one launch."""
+    q, k, v = make_qkv(shape, dtype, device, requires_grad=True)
+    with dispatch.split_dkdv("always"):
+        check_backward(q, k, v, causal)
+    dout = torch.randn(q.shape, dtype=dtype, device=device)
+    with dispatch.split_dkdv("always"):
+        apart = torch.autograd.grad(flash_attention(q, k, v, causal=causal), (q, k, v), dout)
+    together = torch.autograd.grad(flash_attention(q, k, v, causal=causal), (q, k, v), dout)
+    if device == "cpu" or dtype == torch.float64:
+        for a, b in zip(apart, together):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("poison_allocations")
+def test_dk_and_dv_apart_with_masks_and_dropout(device):
+    """The split launches with a key padding mask and dropout, and with a sliding window: each the same gradients
+    as one launch (float64, fixed tiles: bitwise)."""
+    q, k, v = make_qkv((2, 4, 2, 37, 45, 24), torch.float64, device, requires_grad=True)
+    padding = torch.rand(2, 45, device=device) < 0.3
+    dout = torch.randn(q.shape, dtype=q.dtype, device=device)
+    for kwargs in (dict(causal=True, key_padding_mask=padding, dropout_p=0.25), dict(window_size=(9, 4))):
+        grads = []
+        for mode in ("always", "never"):
+            torch.manual_seed(7)
+            with dispatch.split_dkdv(mode):
+                grads.append(torch.autograd.grad(flash_attention(q, k, v, **kwargs), (q, k, v), dout))
+        for a, b in zip(*grads):
+            assert torch.equal(a, b), kwargs
 
 
 @pytest.mark.usefixtures("poison_allocations")

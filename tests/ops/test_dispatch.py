@@ -113,3 +113,17 @@ def test_explain():
     q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
     text = dispatch.explain(q, q, q, causal=True)
     assert text == "forward: triton (not on a CUDA GPU)\nbackward: triton (not on a CUDA GPU)"
+
+
+def test_split_dkdv_modes():
+    """The split dK/dV launches run where the mode says: "always" anywhere (CPU included), "auto" only on a GPU
+    with a measured threshold (none on CPU), "never" nowhere; a bad mode names the switch."""
+    q = torch.randn(1, 2, 64, 256, dtype=torch.float16)
+    assert dispatch.backward(q, q, q, q, True, None, 0.0).kernel == dispatch.TRITON
+    with dispatch.split_dkdv("always"):
+        assert dispatch.backward(q, q, q, q, True, None, 0.0).kernel == dispatch.TRITON_SPLIT
+        with dispatch.split_dkdv("never"):
+            assert dispatch.backward(q, q, q, q, True, None, 0.0).kernel == dispatch.TRITON
+    with pytest.raises(ValueError, match="split_dkdv: mode='yes'"):
+        with dispatch.split_dkdv("yes"):
+            pass

@@ -126,6 +126,31 @@ def test_every_tuning_candidate_is_exact(index, head_dim, causal, seq_q):
         assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
 
 
+@pytest.mark.parametrize("seq_q", [256, 257], ids=["whole_blocks", "ragged"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("index", range(len(attention_tiles.DKDV_SPLIT_CANDIDATES_WIDE)))
+def test_every_split_dkdv_candidate_is_exact(index, causal, seq_q):
+    """dK and dV in two launches (``dispatch.split_dkdv``) at head_dim 256, each of their candidates forced, GQA
+    and seq_q != seq_k; and the tuner's own pick in bf16."""
+    q = randn(2, 4, seq_q, 256, dtype=torch.float16).requires_grad_()
+    k, v = (randn(2, 2, 300, 256, dtype=torch.float16).requires_grad_() for _ in range(2))
+    dout = randn(2, 4, seq_q, 256, dtype=torch.float16)
+    with dispatch.split_dkdv("always"), tuning.forced_configs(dkdv=attention_tiles.DKDV_SPLIT_CANDIDATES_WIDE[index]):
+        ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
+    ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
+    out_tol, grad_tol = TOLERANCE[torch.float16]
+    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+    if index == 0:
+        q, k, v, dout = (t.detach().to(torch.bfloat16) for t in (q, k, v, dout))
+        with dispatch.split_dkdv("always"):
+            ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
+        ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
+        out_tol, grad_tol = TOLERANCE[torch.bfloat16]
+        for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+            assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+
+
 def test_launches_of_other_sizes_are_tuned_apart(monkeypatch):
     """One sequence bucket, two grid sizes (under one wave and eight waves of SMs): each kernel gets a pick per
     size, so a small launch's pick (in this process or in Triton's disk cache) never decides a large one's."""

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flashtrain import flash_attention, flash_attention_varlen
+from flashtrain.ops import dispatch
 from flashtrain.ops.reference import attention_varlen_ref
 from flashtrain.testing import assert_attention_close
 
@@ -54,6 +55,16 @@ VARLEN_CASES = [("q_ne_k", c, w) for c in (False, True) for w in ((-1, -1), (4, 
 def test_varlen_matches_reference(lengths, causal, window, device):
     q, k, v, cu_q, cu_k = make_packed(*LENGTHS[lengths], 4, 2, 24, torch.float64, device)
     assert_attention_close(run_pair(q, k, v, cu_q, cu_k, causal, window), torch.float64)
+
+
+@pytest.mark.usefixtures("poison_allocations")
+def test_varlen_with_dk_and_dv_apart(device):
+    """Packed sequences through the split dK/dV launches (``dispatch.split_dkdv``): right against the reference,
+    with the keys past the last offset zeroed by each launch (a tail of rows)."""
+    q, k, v, cu_q, cu_k = make_packed(*LENGTHS["q_ne_k"], 4, 2, 24, torch.float64, device, tail=(3, 5))
+    with dispatch.split_dkdv("always"):
+        ours, ref = run_pair(q, k, v, cu_q, cu_k, True)
+    assert_attention_close((ours, ref), torch.float64)
 
 
 @pytest.mark.usefixtures("poison_allocations")
