@@ -171,8 +171,8 @@ def attention_bwd_dkdv_kernel(
     contiguous; KB, seed, dropout_p as in the forward. Scales come as ``split_scale`` pairs. sections: the causal
     launch sections of the (batch, KV head) pairs (``masking.causal_sections``). VARLEN: as in the forward, the
     grid's last batch index zeroing dK, dV of the keys past CU_K[n]. WANT_DK / WANT_DV: compute and write only dK
-    (five matmul-sized products a block pair: S, dP, dK) or only dV (S, dV); two such launches hold one fp32
-    accumulator each, so larger key tiles fit (``dispatch.split_dkdv``).
+    (three products a block pair: S, dP, dK) or only dV (two: S, dV); two such launches hold one fp32 accumulator
+    each, so larger key tiles fit (``dispatch.split_dkdv``).
     """
     pid_n, off_hk, off_b = _key_block_coords(sections, CAUSAL)  # causal: heaviest (first) key blocks first
     b, q_start, k_start, len_q, len_k = _sequence(CU_Q, CU_K, off_b, seq_q, seq_k, VARLEN)
