@@ -33,6 +33,13 @@ def outputs_and_grads(fn, q, k, v, dout):
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
+def assert_outputs_close(ours, ref, dtype):
+    """(out, dq, dk, dv) against a reference's (cast to ours) at ``dtype``'s TOLERANCE."""
+    out_tol, grad_tol = TOLERANCE[dtype]
+    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype, seq, head_dim", [
     (torch.bfloat16, 1024, 64), (torch.bfloat16, 16384, 64), (torch.bfloat16, 4096, 128),
@@ -73,9 +80,7 @@ def test_bf16_odd_shapes(shape, causal):
     dout = randn(batch, heads_q, seq_q, head_dim, dtype=torch.bfloat16)
     ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
     ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
-    out_tol, grad_tol = TOLERANCE[torch.bfloat16]
-    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
-        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+    assert_outputs_close(ours, ref, torch.bfloat16)
 
 
 def test_fp64_is_exact():
@@ -121,9 +126,7 @@ def test_every_tuning_candidate_is_exact(index, head_dim, causal, seq_q):
     with tuning.forced_configs(fwd=_candidate(fwd, index), dkdv=_candidate(dkdv, index), dq=_candidate(dq, index)):
         ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
     ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
-    out_tol, grad_tol = TOLERANCE[torch.float16]
-    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
-        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+    assert_outputs_close(ours, ref, torch.float16)
 
 
 @pytest.mark.parametrize("seq_q", [256, 257], ids=["whole_blocks", "ragged"])
@@ -138,17 +141,13 @@ def test_every_split_dkdv_candidate_is_exact(index, causal, seq_q):
     with dispatch.split_dkdv("always"), tuning.forced_configs(dkdv=attention_tiles.DKDV_SPLIT_CANDIDATES_WIDE[index]):
         ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
     ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
-    out_tol, grad_tol = TOLERANCE[torch.float16]
-    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
-        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+    assert_outputs_close(ours, ref, torch.float16)
     if index == 0:
         q, k, v, dout = (t.detach().to(torch.bfloat16) for t in (q, k, v, dout))
         with dispatch.split_dkdv("always"):
             ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
         ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
-        out_tol, grad_tol = TOLERANCE[torch.bfloat16]
-        for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
-            assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+        assert_outputs_close(ours, ref, torch.bfloat16)
 
 
 def test_launches_of_other_sizes_are_tuned_apart(monkeypatch):
@@ -183,9 +182,7 @@ def test_bf16_key_padding_and_dropout(head_dim, causal):
     keep = dropout_keep_mask(int(torch.randint(SEED_BOUND, (), dtype=torch.int64)), batch, heads_q, seq, seq, p, "cuda")
     ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal, key_padding_mask=kpm,
                                                           dropout_keep=keep, dropout_p=p)[0], q, k, v, dout)
-    out_tol, grad_tol = TOLERANCE[torch.bfloat16]
-    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
-        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+    assert_outputs_close(ours, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("seq_q", [256, 257], ids=["whole_blocks", "ragged"])
@@ -209,9 +206,7 @@ def test_every_tuning_candidate_with_padding_and_dropout(index, seq_q):
     keep = dropout_keep_mask(int(torch.randint(SEED_BOUND, (), dtype=torch.int64)), 2, 4, seq_q, 300, 0.2, "cuda")
     ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=True, key_padding_mask=kpm,
                                                           dropout_keep=keep, dropout_p=0.2)[0], q, k, v, dout)
-    out_tol, grad_tol = TOLERANCE[torch.float16]
-    for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
-        assert_close(name, a, r.to(a.dtype), out_tol if name == "out" else grad_tol)
+    assert_outputs_close(ours, ref, torch.float16)
 
 
 needs_hopper = pytest.mark.skipif(
