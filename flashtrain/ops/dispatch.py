@@ -188,7 +188,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     mode = _modes["split_dkdv"]
     if mode == "always":
         return Choice(TRITON_SPLIT, "dK and dV in two launches forced (split_dkdv mode 'always')")
-    if mode == "auto" and q.is_cuda and not INTERPRET:
+    if mode == "auto" and SPLIT_DKDV_MIN_HEAD_DIM and q.is_cuda and not INTERPRET:  # (no table: no device query)
         min_head_dim = SPLIT_DKDV_MIN_HEAD_DIM.get(device_capability(q.device))
         if min_head_dim is not None and q.shape[3] >= min_head_dim:
             return Choice(TRITON_SPLIT, "a head_dim where dK and dV in two launches are faster")
