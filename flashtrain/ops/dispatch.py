@@ -59,9 +59,10 @@ _modes = {"forward": "auto", "backward": "auto", "split_dkdv": "auto"}
 
 
 @contextlib.contextmanager
-def _mode(direction: str, mode: str, switch: str | None = None):
+def _mode(direction: str, mode: str, switch: str):
+    """Set ``_modes[direction]`` within the block; ``switch``: the public function's name, for the error."""
     if mode not in ("auto", "always", "never"):
-        raise ValueError(f"{switch or 'hopper_' + direction}: mode={mode!r}; expected 'auto', 'always' or 'never'")
+        raise ValueError(f"{switch}: mode={mode!r}; expected 'auto', 'always' or 'never'")
     saved = _modes[direction]
     _modes[direction] = mode
     try:
@@ -73,12 +74,12 @@ def _mode(direction: str, mode: str, switch: str | None = None):
 def hopper_forward(mode: str):
     """Within the block, run the Hopper forwards (16-bit and FP8) per ``mode``: "auto" (the default), "always"
     or "never"."""
-    return _mode("forward", mode)
+    return _mode("forward", mode, "hopper_forward")
 
 
 def hopper_backward(mode: str):
     """Within the block, run the Hopper backward per ``mode``: "auto" (the default), "always" or "never"."""
-    return _mode("backward", mode)
+    return _mode("backward", mode, "hopper_backward")
 
 
 def split_dkdv(mode: str):
@@ -188,7 +189,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     mode = _modes["split_dkdv"]
     if mode == "always":
         return Choice(TRITON_SPLIT, "dK and dV in two launches forced (split_dkdv mode 'always')")
-    if mode == "auto" and SPLIT_DKDV_MIN_HEAD_DIM and q.is_cuda and not INTERPRET:  # (no table: no device query)
+    if mode == "auto" and SPLIT_DKDV_MIN_HEAD_DIM and q.is_cuda and not INTERPRET:  # empty table: no device query
         min_head_dim = SPLIT_DKDV_MIN_HEAD_DIM.get(device_capability(q.device))
         if min_head_dim is not None and q.shape[3] >= min_head_dim:
             return Choice(TRITON_SPLIT, "a head_dim where dK and dV in two launches are faster")

@@ -490,10 +490,10 @@ def attention_bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float,
     # EVEN_M drops the row masks of the query loads: packed sequences have ragged ends wherever they stop
     even_m = varlen is None and seq_q % tiles.EVEN_M_MULTIPLE == 0
     # split: a dK launch, then a dV launch, each tuned on its own; otherwise one launch writes both
-    for dkdv_meta in ((dict(WANT_DK=True, WANT_DV=False), dict(WANT_DK=False, WANT_DV=True)) if split_dkdv
-                      else (dict(),)):
-        tuning.launch_tuned("dkdv", _attention_bwd_dkdv_split_tuned if split_dkdv else _attention_bwd_dkdv_tuned,
-                            attention_bwd_dkdv_kernel,
+    dkdv_tuned = _attention_bwd_dkdv_split_tuned if split_dkdv else _attention_bwd_dkdv_tuned
+    dkdv_launches = [dict(WANT_DK=True, WANT_DV=False), dict(WANT_DK=False, WANT_DV=True)] if split_dkdv else [{}]
+    for dkdv_meta in dkdv_launches:
+        tuning.launch_tuned("dkdv", dkdv_tuned, attention_bwd_dkdv_kernel,
                             lambda m: (cdiv(grid_k, m["BLOCK_N"]), heads_kv, grid_b), dkdv_args,
                             tiles.fixed_config("dkdv", bd, longest) if fixed else None,
                             None if dkdv_rows is None else lambda: (
