@@ -43,8 +43,8 @@ HOPPER_BWD_MIN_SEQ = {SM90: {False: 4096, True: 8192}}
 FP8_HOPPER_FWD_MIN_SEQ = {SM90: {(128, False): 1024, (128, True): 2048, (256, False): 512, (256, True): 512}}
 
 # Narrowest head_dim from which the Triton backward writes dK and dV in two launches (one fp32 accumulator each,
-# so key tiles of a whole wgmma height fit), per compute capability; none yet: not measured faster anywhere.
-SPLIT_DKDV_MIN_HEAD_DIM: dict = {}
+# so key tiles of a whole wgmma height fit), per compute capability (docs/performance-notes.md, 16-bit backward).
+SPLIT_DKDV_MIN_HEAD_DIM: dict = {SM90: 256}
 
 F16_NORMAL_MIN, F16_MAX = 2.0 ** -14, 65504.0  # float16's smallest normal and largest finite values
 

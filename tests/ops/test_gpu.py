@@ -150,6 +150,16 @@ def test_every_split_dkdv_candidate_is_exact(index, causal, seq_q):
         assert_outputs_close(ours, ref, torch.bfloat16)
 
 
+def test_split_dkdv_where_measured_faster():
+    """The default ("auto") backward writes dK and dV in two launches from the head_dim measured faster on this
+    architecture, and in one below it."""
+    threshold = dispatch.SPLIT_DKDV_MIN_HEAD_DIM.get(dispatch.device_capability(torch.device("cuda")))
+    for head_dim in (128, 256):
+        q = randn(1, 2, 256, head_dim, dtype=torch.bfloat16)
+        want = dispatch.TRITON_SPLIT if threshold is not None and head_dim >= threshold else dispatch.TRITON
+        assert dispatch.backward(q, q, q, q, True, None, 0.0).kernel == want, (head_dim, threshold)
+
+
 def test_launches_of_other_sizes_are_tuned_apart(monkeypatch):
     """One sequence bucket, two grid sizes (under one wave and eight waves of SMs): each kernel gets a pick per
     size, so a small launch's pick (in this process or in Triton's disk cache) never decides a large one's."""
