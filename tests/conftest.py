@@ -46,6 +46,15 @@ def fresh_launch_plans():
     clear_kept()
 
 
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory():
+    """Return the caching allocator's free blocks after each test: pytest-xdist workers share one GPU, and a worker
+    that ran a 16k-token test would otherwise hold its 20+ GiB through every later test."""
+    yield
+    if HAS_CUDA:
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def device():
     return "cuda" if HAS_CUDA else "cpu"
