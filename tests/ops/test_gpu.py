@@ -100,7 +100,8 @@ def test_fp64_is_exact():
 
 CANDIDATE_SETS = {  # head_dim -> the candidate lists the autotuner chooses from at that head_dim
     40: (attention_tiles.FWD_CANDIDATES, attention_tiles.DKDV_CANDIDATES, attention_tiles.DQ_CANDIDATES),
-    256: (attention_tiles.FWD_CANDIDATES_WIDE, attention_tiles.DKDV_CANDIDATES_WIDE, attention_tiles.DQ_CANDIDATES_WIDE),
+    256: (attention_tiles.FWD_CANDIDATES_WIDE, attention_tiles.DKDV_CANDIDATES_WIDE,
+          attention_tiles.DQ_CANDIDATES_WIDE),
 }
 
 
@@ -118,12 +119,14 @@ MOST_CANDIDATES = max(len(c) for lists in CANDIDATE_SETS.values() for c in lists
 @pytest.mark.parametrize("index", range(MOST_CANDIDATES))
 def test_every_tuning_candidate_is_exact(index, head_dim, causal, seq_q):
     """Whatever config the autotuner picks, the result is right: each candidate forced in turn, with seq_q a
-    multiple of every BLOCK_M (the dK/dV kernel's unmasked loads) and not."""
+    multiple of every BLOCK_M (the dK/dV kernel's unmasked loads) and not. dK and dV in one launch, which these
+    lists tile (the split launch's list: ``test_every_split_dkdv_candidate_is_exact``)."""
     q = randn(2, 4, seq_q, head_dim, dtype=torch.float16).requires_grad_()
     k, v = (randn(2, 2, 300, head_dim, dtype=torch.float16).requires_grad_() for _ in range(2))
     dout = randn(2, 4, seq_q, head_dim, dtype=torch.float16)
     fwd, dkdv, dq = CANDIDATE_SETS[head_dim]
-    with tuning.forced_configs(fwd=_candidate(fwd, index), dkdv=_candidate(dkdv, index), dq=_candidate(dq, index)):
+    with dispatch.split_dkdv("never"), tuning.forced_configs(fwd=_candidate(fwd, index), dkdv=_candidate(dkdv, index),
+                                                             dq=_candidate(dq, index)):
         ours = outputs_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, dout)
     ref = outputs_and_grads(lambda q, k, v: attention_ref(q, k, v, causal=causal)[0], q, k, v, dout)
     assert_outputs_close(ours, ref, torch.float16)
