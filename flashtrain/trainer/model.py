@@ -17,6 +17,7 @@ the process group, and the ``flash`` backend attends over the whole sequence wit
 from __future__ import annotations
 
 import math
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -56,6 +57,30 @@ def checkpoint_contexts():
     return create_selective_checkpoint_contexts(_keep_attention)
 
 
+def offload_saved_tensors(keep: tuple[torch.Tensor, ...] = ()):
+    """Saved-tensor hooks that copy what autograd saves to host memory (pinned, for CUDA tensors) and copy it back
+    when the backward needs it, except the tensors in ``keep``. Around checkpointed blocks the only tensors autograd
+    saves are each checkpoint's inputs (the checkpoint's own hooks hold everything inside the block): the blocks'
+    (B, T, C) fp32 residual inputs, 3 KB a token a layer at n_embd 768, leave the GPU. The copies are in stream
+    order: the device-to-host one waits for the block's input, the one back comes before the block's recompute."""
+    kept = {t.data_ptr() for t in keep}
+
+    def pack(tensor):
+        if tensor.numel() == 0 or tensor.data_ptr() in kept:
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        host.copy_(tensor)
+        return tensor.device, tensor.requires_grad, host
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, requires_grad, host = packed
+        return host.to(device, non_blocking=True).requires_grad_(requires_grad)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 256  # byte-level by default
@@ -67,6 +92,7 @@ class GPTConfig:
     rope_base: float = 10000.0
     bias: bool = False
     activation_checkpointing: str = "none"  # none | selective | full (see ``checkpoint_contexts``)
+    activation_offload: bool = False  # the checkpointed blocks' inputs in host memory (``offload_saved_tensors``)
     window_size: int | None = None  # sliding-window attention over the W previous tokens (None: none)
     window_pattern: str | None = None  # local ("L") and global ("G") layers, cycled; None: all local
     loss_chunk: int = 8192  # tokens per chunk of the fused LM head + cross-entropy (its (chunk, vocab) logits)
@@ -77,6 +103,9 @@ class GPTConfig:
         if self.activation_checkpointing not in CHECKPOINTING:
             raise ValueError(f"model.activation_checkpointing={self.activation_checkpointing!r}; expected one of "
                              f"{CHECKPOINTING}")
+        if self.activation_offload and self.activation_checkpointing == "none":
+            raise ValueError("model.activation_offload=true moves the checkpointed blocks' inputs to host memory: set "
+                             "model.activation_checkpointing=selective or full (it is 'none')")
         if self.window_size is not None and (isinstance(self.window_size, bool) or not isinstance(self.window_size, int)
                                              or self.window_size < 0):
             raise ValueError(f"model.window_size={self.window_size!r}; expected null or an int >= 0 (the tokens "
@@ -253,14 +282,16 @@ class GPT(nn.Module):
         cos, sin = self._rotary_for(T, x, documents, shard)
         group = shard.group if shard is not None else None
         mode = self.config.activation_checkpointing if self.training else "none"
-        for block in self.blocks:
-            if mode == "full":
-                x = checkpoint(block, x, cos, sin, documents, group, use_reentrant=False)
-            elif mode == "selective":
-                x = checkpoint(block, x, cos, sin, documents, group, use_reentrant=False,
-                               context_fn=checkpoint_contexts)
-            else:
-                x = block(x, cos, sin, documents, group)
+        offload = self.config.activation_offload and mode != "none" and torch.is_grad_enabled()
+        with offload_saved_tensors(keep=(cos, sin)) if offload else contextlib.nullcontext():
+            for block in self.blocks:
+                if mode == "full":
+                    x = checkpoint(block, x, cos, sin, documents, group, use_reentrant=False)
+                elif mode == "selective":
+                    x = checkpoint(block, x, cos, sin, documents, group, use_reentrant=False,
+                                   context_fn=checkpoint_contexts)
+                else:
+                    x = block(x, cos, sin, documents, group)
         x = self.norm_f(x)
         if targets is not None:  # the loss in chunks of tokens: the (B * T, vocab) logits never exist at once
             return None, chunked_cross_entropy(x, self.lm_head.weight, targets, chunk_tokens=self.config.loss_chunk)

@@ -6,14 +6,15 @@ import torch
 
 from flashtrain.ops import attention as attention_op
 from flashtrain.trainer import backends
+from flashtrain.trainer import model as model_module
 from flashtrain.trainer.data import BYTE_EOD, find_documents
 from flashtrain.trainer.model import GPT, GPTConfig
 
 
-def gradients(mode, attn, documents=None):
+def gradients(mode, attn, documents=None, offload=False):
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=BYTE_EOD + 1, seq_len=40, n_layer=2, n_head=2, n_embd=32,
-                       activation_checkpointing=mode, window_size=6, window_pattern="LG")
+                       activation_checkpointing=mode, activation_offload=offload, window_size=6, window_pattern="LG")
     model = GPT(config, backends.get(attn)).double().train()
     tokens = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(1))
     tokens[0, 12] = BYTE_EOD
@@ -48,6 +49,34 @@ def test_selective_checkpointing_with_sdpa():
     assert sel_loss.item() == pytest.approx(loss.item(), rel=1e-12)
     for g, r in zip(sel_grads, grads):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("documents", [False, True], ids=["dense", "documents"])
+def test_offloaded_block_inputs_keep_the_gradients(mode, documents, monkeypatch):
+    """model.activation_offload: each block's input goes through the host copy (one per layer; the rotary tables
+    stay) and the loss and gradients are those without the offload, bit for bit."""
+    packed = []
+
+    def counting_hooks(keep=()):
+        hooks = real(keep)
+        pack = hooks.pack_hook
+        hooks.pack_hook = lambda t: (lambda p: packed.append((tuple(t.shape), isinstance(p, tuple))) or p)(pack(t))
+        return hooks
+
+    real = model_module.offload_saved_tensors
+    monkeypatch.setattr(model_module, "offload_saved_tensors", counting_hooks)
+    loss, grads = gradients(mode, "sdpa", documents)
+    off_loss, off_grads = gradients(mode, "sdpa", documents, offload=True)
+    assert [shape for shape, offloaded in packed if offloaded] == [(2, 40, 32)] * 2  # x of each of the 2 blocks
+    assert off_loss.item() == loss.item()
+    for g, r in zip(off_grads, grads):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+def test_offload_needs_checkpointing():
+    with pytest.raises(ValueError, match="model.activation_offload=true .* model.activation_checkpointing=selective"):
+        GPTConfig(activation_offload=True)
 
 
 def test_bad_checkpointing_mode():
