@@ -54,8 +54,12 @@ def run_one(attn, seq, seed, args, tmp, model="gpt2-small", variant=("", [])):
     from flashtrain.trainer.train import build
 
     class StepTimer(L.Callback):
+        """Each step's time and loss; the peak memory of the steps after warm-up, read at each step's end before
+        any other callback (the trainer's ThroughputLogger resets the peaks after its own warm-up)."""
+
         def __init__(self):
             self.times, self.losses, self.t = [], [], None
+            self.peak_alloc = self.peak_reserved = 0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             torch.cuda.synchronize()
@@ -67,6 +71,9 @@ def run_one(attn, seq, seed, args, tmp, model="gpt2-small", variant=("", [])):
             torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t)
             self.losses.append(float(outputs["loss"]))
+            if len(self.times) > args.warmup:
+                self.peak_alloc = max(self.peak_alloc, torch.cuda.max_memory_allocated())
+                self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved())
 
     name, _, fp8 = attn.partition(":")
     variant_name, variant_overrides = variant
@@ -83,7 +90,7 @@ def run_one(attn, seq, seed, args, tmp, model="gpt2-small", variant=("", [])):
         cfg = compose("train", overrides=overrides)
     datamodule, module, trainer = build(cfg)
     timer = StepTimer()
-    trainer.callbacks.append(timer)
+    trainer.callbacks.insert(0, timer)  # first: it reads the peaks before another callback resets them
     row = dict(attn=attn, seq=seq, seed=cfg.seed, model=model, variant=variant_name,
                params_m=f"{module.model.num_params() / 1e6:.1f}", batch=cfg.data.batch_size,
                tokens_per_step=cfg.data.batch_size * cfg.data.seq_len, steps=args.steps,
@@ -97,8 +104,8 @@ def run_one(attn, seq, seed, args, tmp, model="gpt2-small", variant=("", [])):
         row.update(first_step_s=f"{timer.times[0]:.2f}", step_time_s=f"{step:.4f}", tokens_per_s=f"{tokens_per_s:.0f}",
                    tflops=f"{tflops:.1f}",
                    mfu=f"{tflops / peak:.3f}" if peak else "",
-                   peak_alloc_gib=f"{torch.cuda.max_memory_allocated() / 2**30:.2f}",
-                   peak_reserved_gib=f"{torch.cuda.max_memory_reserved() / 2**30:.2f}", status="ok")
+                   peak_alloc_gib=f"{timer.peak_alloc / 2**30:.2f}",
+                   peak_reserved_gib=f"{timer.peak_reserved / 2**30:.2f}", status="ok")
     except torch.OutOfMemoryError:
         row.update(status="OOM")
     row["losses"] = timer.losses
