@@ -101,16 +101,18 @@ def speed_table(df, seqs=None):
 
 
 def memory_table(df):
+    """The fwd+bwd peaks in one sentence: 'GiB at N = a / b: provider x / y; ...' (the plot has them too)."""
     mem = df[df["mode"] == "fwd+bwd"]
-    lines = ["| N | " + " | ".join(MEMORY_PROVIDERS) + " |", "|---|" + "---|" * len(MEMORY_PROVIDERS)]
-    for seq in sorted(mem["N"].unique()):
+    seqs = sorted(mem["N"].unique())
+    parts = []
+    for p in MEMORY_PROVIDERS:
         cells = []
-        for p in MEMORY_PROVIDERS:
+        for seq in seqs:
             row = mem[(mem["N"] == seq) & (mem["provider"] == p)]
-            cells.append("" if row.empty else (f"{row['peak_gib'].iloc[0]:.2f}" if row["status"].iloc[0] == "ok"
-                                               else row["status"].iloc[0]))
-        lines.append(f"| {seq} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            cells.append("-" if row.empty else (f"{row['peak_gib'].iloc[0]:.2f}" if row["status"].iloc[0] == "ok"
+                                                else row["status"].iloc[0]))
+        parts.append(f"{p} {' / '.join(cells)}")
+    return f"GiB at N = {' / '.join(map(str, seqs))}: " + "; ".join(parts) + "."
 
 
 def flex_note(df):
@@ -249,7 +251,7 @@ def main(argv=None):
             "as many KV heads as query heads (no GQA)."
             + (f" N = {', '.join(map(str, args.seqs))} of the grid; the CSV has every point." if args.seqs else "")
             + "\n\n" + speed_table(df, args.seqs)
-            + "\n\nPeak memory of forward + backward beyond the inputs, GiB (B=1, H=16, D=128, causal, bf16):\n\n"
+            + "\n\nPeak memory of forward + backward beyond the inputs (B=1, H=16, D=128, causal, bf16), "
             + memory_table(df))
     print(text)
     if args.plot:

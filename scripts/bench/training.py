@@ -21,8 +21,8 @@ loss moves by a few percent between runs, so compare attention choices over seve
 
 --overrides passes further Hydra overrides to every run (recorded in the CSV), e.g. ``data.builtin=python_stdlib``:
 the built-in corpus of ~466 KB is read ~21 times in 300 steps of 32k tokens, so a loss there measures memorising;
-no window of the standard library's sources (10-30 MB) is read twice in that time. With several seeds, the loss summary also
-compares each run with the first attention's run of the same seed (same initial weights and batches).
+no window of the standard library's sources (10-30 MB) is read twice in that time. With several seeds, the loss
+summary also compares each run with the first attention's run of the same seed (same initial weights and batches).
 """
 
 from __future__ import annotations
@@ -165,22 +165,38 @@ def per_step(rows: list[dict]) -> str:
     return f"{steps[0]} tokens per step" if len(steps) == 1 else f"{steps[0]}-{steps[-1]} tokens per step"
 
 
-def report(path, plot_path=None, mfu=False):
-    """A markdown table (tokens/s and peak GiB per attention, with ``mfu`` the MFU too; a row per model and
-    sequence length) and a PNG (a row of panels per model) from a bench/training.py CSV."""
+def short_gpu(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100': the row label's GPU where one file holds several."""
+    return name.removeprefix("NVIDIA ").split()[0] if name else ""
+
+
+def caption_machines(rows: list[dict]) -> str:
+    """'GPU, torch T, triton V, date' for each (GPU, torch, triton, date) in the rows, in the order run."""
+    machines = dict.fromkeys((r["gpu"], r["torch"], r["triton"], r["date"]) for r in rows)
+    return "; ".join(f"{g}, torch {t}, triton {v}, {d}" for g, t, v, d in machines)
+
+
+def report(path, plot_path=None, mfu=False, reserved=False, overlay=False):
+    """A markdown table (tokens/s and peak GiB per attention, with ``mfu`` the MFU too, with ``reserved`` the peak
+    allocated / reserved; a row per model and sequence length, with the GPU where the file holds several) and a PNG
+    (a row of panels per model, or with ``overlay`` one row) from a bench/training.py CSV. A blank peak shows as
+    '-'."""
     with open(path) as f:
         rows = list(csv.DictReader(f))
-    for r in rows:  # a variant (vocabulary, masks) is a model of its own in the table and the plot
+    several_gpus = len({r["gpu"] for r in rows}) > 1
+    for r in rows:  # a variant (vocabulary, masks) is a model of its own in the table and the plot, so is a GPU
         r["model"] = f"{r.get('model', '')} {r['variant']}".strip() if r.get("variant") else r.get("model", "")
+        if several_gpus:
+            r["model"] += f", {short_gpu(r['gpu'])}"
     models = list(dict.fromkeys(r.get("model", "") for r in rows))
     attns = list(dict.fromkeys(r["attn"] for r in rows))  # in the order they were run
     get: dict = {}
     for r in rows:  # with several seeds, the first seed's run (tokens/s and memory do not depend on it)
         get.setdefault((r.get("model", ""), r["attn"], int(r["seq"])), r)
-    first = rows[0]
-    lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; bf16-mixed, "
-             f"{per_step(rows)}, median step after warm-up; tokens/s (peak GiB{', MFU' if mfu else ''}); raw rows: "
-             f"[`{path}`]({path}).", "",
+    gib = lambda value: f"{float(value):.1f}" if value else "-"  # noqa: E731
+    memory = "peak GiB allocated / reserved" if reserved else "peak GiB"
+    lines = [f"{caption_machines(rows)}; bf16-mixed, {per_step(rows)}, median step after warm-up; tokens/s "
+             f"({memory}{', MFU' if mfu else ''}); raw rows: [`{path}`]({path}).", "",
              "| model | seq | " + " | ".join(attns) + " |", "|---|---|" + "---|" * len(attns)]
     for model in models:
         for seq in sorted({int(r["seq"]) for r in rows if r.get("model", "") == model}):
@@ -192,39 +208,52 @@ def report(path, plot_path=None, mfu=False):
                 elif r["status"] != "ok":
                     cells.append(r["status"])
                 else:
+                    peak = gib(r["peak_alloc_gib"]) + (f" / {gib(r['peak_reserved_gib'])}" if reserved else "")
                     extra = f", {float(r['mfu']):.2f}" if mfu and r.get("mfu") else ""
-                    cells.append(f"{int(r['tokens_per_s']):,} ({float(r['peak_alloc_gib']):.1f}{extra})")
+                    cells.append(f"{int(r['tokens_per_s']):,} ({peak}{extra})")
             lines.append(f"| {model} | {seq} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     if plot_path:
-        _plot(rows, models, plot_path)
+        _plot(rows, models, plot_path, "peak_reserved_gib" if reserved else "peak_alloc_gib", overlay)
         text += f"\n\n![training benchmark]({plot_path})"
     return text
 
 
-def _plot(rows: list[dict], models: list[str], plot_path: str) -> None:
-    """Throughput and peak memory against sequence length, a row of two panels per model."""
+def _plot(rows: list[dict], models: list[str], plot_path: str, memory: str = "peak_alloc_gib",
+          overlay: bool = False) -> None:
+    """Throughput and peak memory (the ``memory`` column) against sequence length: a row of two panels per model,
+    or with ``overlay`` one row with a line per (model, attention)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
-    for (ax_t, ax_m), model in zip(axes, models):
-        mine = [r for r in rows if r.get("model", "") == model]
-        for a in dict.fromkeys(r["attn"] for r in mine):
-            ok = sorted((r for r in mine if r["attn"] == a and r["status"] == "ok"), key=lambda r: int(r["seq"]))
-            xs = [int(r["seq"]) for r in ok]
-            ax_t.plot(xs, [float(r["tokens_per_s"]) for r in ok], marker="o", label=a)
-            ax_m.plot(xs, [float(r["peak_alloc_gib"]) for r in ok], marker="o", label=a)
-        for ax, title in ((ax_t, "training throughput, tokens/s"), (ax_m, "peak memory allocated, GiB")):
+    groups = [[m] for m in models] if not overlay else [models]
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4.5 * len(groups) + 0.5), squeeze=False)
+    for (ax_t, ax_m), group in zip(axes, groups):
+        for model in group:
+            mine = [r for r in rows if r.get("model", "") == model]
+            for a in dict.fromkeys(r["attn"] for r in mine):
+                ok = sorted((r for r in mine if r["attn"] == a and r["status"] == "ok"), key=lambda r: int(r["seq"]))
+                label = f"{model}: {a}" if overlay else a
+                ax_t.plot([int(r["seq"]) for r in ok], [float(r["tokens_per_s"]) for r in ok], marker="o", label=label)
+                mem = [(int(r["seq"]), float(r[memory])) for r in ok if r[memory]]
+                ax_m.plot([x for x, _ in mem], [m for _, m in mem], marker="o", label=label)
+        kind = "reserved" if memory == "peak_reserved_gib" else "allocated"
+        name = "" if overlay else f"{group[0]}: "
+        for ax, title in ((ax_t, "training throughput, tokens/s"), (ax_m, f"peak memory {kind}, GiB")):
             ax.set_xscale("log", base=2)
+            if overlay:
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel("sequence length")
-            ax.set_title(f"{model}: {title}")
+            ax.set_title(f"{name}{title}")
             ax.grid(alpha=0.3)
-            ax.legend()
-    first = rows[0]
-    fig.suptitle(f"training on {first['gpu']} ({first['tokens_per_step']} tokens/step; missing points: out of memory)")
-    fig.tight_layout()
+            ax.legend(fontsize="small")
+    gpus = ", ".join(dict.fromkeys(r["gpu"] for r in rows))
+    fig.suptitle(f"training on {gpus} ({per_step(rows)}; missing points: out of memory or not run)")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(plot_path, dpi=90)
 
 
@@ -323,13 +352,18 @@ def main(argv=None):
     parser.add_argument("--tokens-per-step", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--seeds", nargs="+", type=int, help="run each (attn, seq) once per seed (default: the config's)")
+    parser.add_argument("--seeds", nargs="+", type=int,
+                        help="run each (attn, seq) once per seed (default: the config's)")
     parser.add_argument("--overrides", nargs="*", default=[], help="more Hydra overrides for every run, e.g. "
                         "data.builtin=python_stdlib")
     parser.add_argument("--tmp", default="/tmp/flashtrain-bench")
     parser.add_argument("--report", metavar="CSV", help="print the table of an existing CSV instead")
     parser.add_argument("--plot", help="with --report or --plot-losses: write a PNG")
     parser.add_argument("--mfu", action="store_true", help="with --report: each cell's MFU too")
+    parser.add_argument("--reserved", action="store_true",
+                        help="with --report: the peak reserved beside the allocated (and plotted instead)")
+    parser.add_argument("--overlay", action="store_true",
+                        help="with --report --plot: every model in one pair of panels")
     parser.add_argument("--losses-out", help="also write every step's training loss here")
     parser.add_argument("--tuning-out", help="also write the kernels' autotuned configs (what the runs used)")
     parser.add_argument("--plot-losses", metavar="CSV", help="plot a --losses-out CSV to --plot instead")
@@ -337,7 +371,7 @@ def main(argv=None):
     if args.plot_losses:
         print(plot_losses(args.plot_losses, args.plot or "losses.png"))
     elif args.report:
-        print(report(args.report, args.plot, args.mfu))
+        print(report(args.report, args.plot, args.mfu, args.reserved, args.overlay))
     else:
         bench(args)
 

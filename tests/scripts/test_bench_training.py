@@ -87,6 +87,26 @@ def test_report_table(tmp_path):
     assert "| gpt2-small | 8192 |  | 500 (20.0, 0.41) |" in bench_training.report(str(path), mfu=True)
 
 
+def test_report_of_several_gpus_with_reserved(tmp_path):
+    """Rows of two GPUs: the GPU in each row's label and both machines in the caption; --reserved shows the peak
+    allocated / reserved, and a blank peak (not recorded) as '-'."""
+    path = tmp_path / "long_context.csv"
+    common = dict(attn="flash", seed=1, status="ok", model="gpt2-small", params_m="85.2", torch="2", triton="3",
+                  date="2026-12-07")
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=bench_training.FIELDS, restval="")
+        writer.writeheader()
+        writer.writerow(dict(seq=65536, tokens_per_step=65536, tokens_per_s=84516, peak_alloc_gib="6.71",
+                             peak_reserved_gib="7.46", gpu="NVIDIA H200", **common))
+        writer.writerow(dict(seq=262144, tokens_per_step=262144, tokens_per_s=24741, peak_alloc_gib="",
+                             peak_reserved_gib="18.16", variant="offload", gpu="NVIDIA H100 80GB HBM3", **common))
+    table = bench_training.report(str(path), reserved=True)
+    assert "NVIDIA H200, torch 2, triton 3, 2026-12-07; NVIDIA H100 80GB HBM3, torch 2" in table
+    assert "| gpt2-small, H200 | 65536 | 84,516 (6.7 / 7.5) |" in table
+    assert "| gpt2-small offload, H100 | 262144 | 24,741 (- / 18.2) |" in table
+    assert "| gpt2-small | 65536 | 84,516 (6.7) |" not in bench_training.report(str(path))  # the GPU stays in labels
+
+
 def test_caption_of_one_sequence_a_step():
     rows = [dict(seq=s, tokens_per_step=s) for s in ("65536", "262144")]
     assert bench_training.per_step(rows) == "one sequence a step"
