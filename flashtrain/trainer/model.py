@@ -16,8 +16,8 @@ the process group, and the ``flash`` backend attends over the whole sequence wit
 
 from __future__ import annotations
 
-import math
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -61,8 +61,8 @@ def offload_saved_tensors(keep: tuple[torch.Tensor, ...] = ()):
     """Saved-tensor hooks that copy what autograd saves to host memory (pinned, for CUDA tensors) and copy it back
     when the backward needs it, except the tensors in ``keep``. Around checkpointed blocks the only tensors autograd
     saves are each checkpoint's inputs (the checkpoint's own hooks hold everything inside the block): the blocks'
-    (B, T, C) fp32 residual inputs, 3 KB a token a layer at n_embd 768, leave the GPU. The copies are in stream
-    order: the device-to-host one waits for the block's input, the one back comes before the block's recompute."""
+    (B, T, C) fp32 residual inputs, 3 KB a token a layer at n_embd 768, leave the GPU. The copy out is synchronous
+    (the host waits for it); the copy back is queued on the current stream ahead of the block's recompute."""
     kept = {t.data_ptr() for t in keep}
 
     def pack(tensor):
