@@ -93,6 +93,7 @@ def test_experiment_composes(tmp_path):
     assert cfg.data.seq_len == 16384 and cfg.model.n_layer == 12 and cfg.attn.name == "flash"
     cfg = config("+experiment=long_context_1m", f"output_dir={tmp_path}", name="train")
     assert cfg.data.seq_len == 2**20 and cfg.data.batch_size == 1 and cfg.model.activation_checkpointing == "selective"
+    assert cfg.model.activation_offload  # what lets 1M tokens fit an 80 GB GPU
     cfg = config("+experiment=long_context_256k_medium", f"output_dir={tmp_path}", name="train")
     assert cfg.data.seq_len == 2**18 and cfg.model.n_layer == 24 and cfg.data.builtin == "python_stdlib"
 
