@@ -167,16 +167,15 @@ def report(path: str) -> str:
         if not mine:
             continue
         sizes = sorted({int(r[key]) for r in mine})
-        groups = dict.fromkeys((r["strategy"] if mode == "dp" else "", r["model"], r["seq"]) for r in mine)
         head = "strategy | model | seq" if mode == "dp" else "model | seq"
         lines += ["", f"| {head} | " + " | ".join(f"{label} = {s}" for s in sizes) + " |",
                   "|" + "---|" * (head.count("|") + 1 + len(sizes))]
-        for strategy, model, seq in groups:
+        for group in dict.fromkeys(map(_baseline_key, mine)):  # a table row per baseline: the sizes beside it
             cells = []
             for s in sizes:
-                r = next((r for r in mine if (r["strategy"] if mode == "dp" else "", r["model"], r["seq"])
-                          == (strategy, model, seq) and int(r[key]) == s), None)
+                r = next((r for r in mine if _baseline_key(r) == group and int(r[key]) == s), None)
                 cells.append("" if r is None else cell(r))
+            _, strategy, model, seq = group
             name = f"{strategy} | {model} | {seq}" if mode == "dp" else f"{model} | {seq}"
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
