@@ -3,8 +3,9 @@
 Each is ``attn(q, k, v, mask=None) -> out`` on (B, nh, T, hs) tensors, ``mask`` a ``model.AttentionMask`` (the
 documents and the sliding window, or None); ``conf/attn/*.yaml`` name them (with options, e.g. ``fp8: forward``)
 and ``get`` looks them up. flash runs documents as packed sequences (``flash_attention_varlen``) and windows in the
-kernels; sdpa and eager build the explicit (T, T) mask. Only flash runs context parallelism (a mask with a process
-group: ``ring_attention`` over the ranks' shards).
+kernels; sdpa and eager build the explicit (T, T) mask. Context parallelism (a mask with a process group): flash
+runs flashtrain's ``ring_attention`` over the ranks' shards, sdpa PyTorch's own ring over its SDPA kernels
+(``torch_ring_attention``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtrain.distributed import ring_attention
+from flashtrain.distributed.torch_ring import torch_ring_attention
 from flashtrain.ops.attention import flash_attention
 from flashtrain.ops.varlen import flash_attention_varlen
 
@@ -27,7 +29,7 @@ def _window(mask) -> tuple[int, int]:
 
 def _refuse_context_parallel(name: str, mask) -> None:
     if mask is not None and mask.group is not None:
-        raise ValueError(f"attn={name} has no context parallelism (ring attention); use attn=flash")
+        raise ValueError(f"attn={name} has no context parallelism (ring attention); use attn=flash or attn=sdpa")
 
 
 def flash(q, k, v, mask=None):
@@ -59,8 +61,12 @@ def flash_fp8(q, k, v, mask=None, fp8: str = "forward", hadamard: bool = True, s
 
 def sdpa(q, k, v, mask=None):
     """PyTorch's scaled_dot_product_attention (it picks cuDNN / flash / efficient / math itself); documents and
-    windows through an explicit (T, T) boolean mask."""
-    _refuse_context_parallel("sdpa", mask)
+    windows through an explicit (T, T) boolean mask; with a context-parallel group, PyTorch's ring attention over
+    SDPA's flash kernel (``torch_ring_attention``, what its ``context_parallel`` runs)."""
+    if mask is not None and mask.group is not None:
+        if mask.documents is not None or mask.window is not None:
+            raise ValueError("attn=sdpa with context parallelism has no document masking or sliding windows")
+        return torch_ring_attention(q, k, v, group=mask.group)
     if mask is None or (mask.documents is None and mask.window is None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.shape[-2], q.device))

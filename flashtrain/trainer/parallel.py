@@ -1,9 +1,10 @@
 """Context parallelism in the trainer: a mesh of data-parallel x context-parallel ranks.
 
 ``context_parallel=P`` splits each sequence over P ranks (``flashtrain.distributed``: the load-balanced layout and
-ring attention); the W = trainer.devices x trainer.num_nodes processes form a (D, P) mesh, D = W / P data-parallel
-replicas, rank = d x P + c. Lightning's ``ModelParallelStrategy`` builds that mesh, with the dimension names
-("data_parallel", "tensor_parallel"): its second dimension is the context-parallel one here (``CONTEXT_DIM``).
+ring attention, flashtrain's with attn=flash, PyTorch's with attn=sdpa); the W = trainer.devices x trainer.num_nodes
+processes form a (D, P) mesh, D = W / P data-parallel replicas, rank = d x P + c. Lightning's
+``ModelParallelStrategy`` builds that mesh, with the dimension names ("data_parallel", "tensor_parallel"): its second
+dimension is the context-parallel one here (``CONTEXT_DIM``).
 Parameters are sharded with FSDP2 (``fully_shard``) over the flattened mesh, so gradients are averaged over all W
 ranks: every rank's loss is the mean over its equal-sized shard, and the average of their gradients is the gradient
 of the mean over all the step's tokens.
@@ -21,6 +22,7 @@ DATA_DIM = "data_parallel"
 # Lightning's ModelParallelStrategy names its second mesh dimension "tensor_parallel"; it carries the sequence here
 CONTEXT_DIM = "tensor_parallel"
 STRATEGIES = ("auto", "model_parallel")  # trainer.strategy values that context_parallel > 1 accepts
+RING_BACKENDS = ("flash", "sdpa")  # attn= values with ring attention: flashtrain's ring, PyTorch's over SDPA
 
 
 def world_size(trainer: DictConfig) -> int:
@@ -64,9 +66,9 @@ def check_layout(cfg: DictConfig) -> tuple[int, int]:
 
 def _check_supported(cfg: DictConfig, size: int) -> None:
     """What ring attention does not do yet: refuse it with context_parallel > 1."""
-    if cfg.attn.name != "flash":
-        raise ValueError(f"attn={cfg.attn.name} with context_parallel={size}: only attn=flash runs ring attention; "
-                         "use attn=flash or context_parallel=1")
+    if cfg.attn.name not in RING_BACKENDS:
+        raise ValueError(f"attn={cfg.attn.name} with context_parallel={size}: only attn=flash (flashtrain's ring) "
+                         "and attn=sdpa (PyTorch's) run ring attention; use one of them or context_parallel=1")
     if cfg.data.get("document_masking"):
         raise ValueError(f"data.document_masking={cfg.data.document_masking} with context_parallel={size}: ring "
                          "attention has no document masking yet; use data.document_masking=false or "

@@ -229,16 +229,20 @@ def _plot(rows: list[dict], models: list[str], plot_path: str, memory: str = "pe
     import matplotlib.ticker
 
     groups = [[m] for m in models] if not overlay else [models]
+    attns = list(dict.fromkeys(r["attn"] for r in rows))  # overlaid: a colour per attention, a line style per model
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4.5 * len(groups) + 0.5), squeeze=False)
     for (ax_t, ax_m), group in zip(axes, groups):
-        for model in group:
+        for i, model in enumerate(group):
             mine = [r for r in rows if r.get("model", "") == model]
             for a in dict.fromkeys(r["attn"] for r in mine):
                 ok = sorted((r for r in mine if r["attn"] == a and r["status"] == "ok"), key=lambda r: int(r["seq"]))
-                label = f"{model}: {a}" if overlay else a
-                ax_t.plot([int(r["seq"]) for r in ok], [float(r["tokens_per_s"]) for r in ok], marker="o", label=label)
+                style = dict(label=a, marker="o")
+                if overlay:
+                    style = dict(label=f"{model}: {a}", color=f"C{attns.index(a)}", ls=("-", "--", ":", "-.")[i % 4],
+                                 marker="osD^v"[i % 5])
+                ax_t.plot([int(r["seq"]) for r in ok], [float(r["tokens_per_s"]) for r in ok], **style)
                 mem = [(int(r["seq"]), float(r[memory])) for r in ok if r[memory]]
-                ax_m.plot([x for x, _ in mem], [m for _, m in mem], marker="o", label=label)
+                ax_m.plot([x for x, _ in mem], [m for _, m in mem], **style)
         kind = "reserved" if memory == "peak_reserved_gib" else "allocated"
         name = "" if overlay else f"{group[0]}: "
         for ax, title in ((ax_t, "training throughput, tokens/s"), (ax_m, f"peak memory {kind}, GiB")):

@@ -1,5 +1,6 @@
 """Run by tests/distributed/test_ring.py: P gloo processes check ring_attention against flash_attention on the full
-sequence (float64, through Triton's interpreter). Exits non-zero on a mismatch.
+sequence (float64, through Triton's interpreter), and PyTorch's ring (``torch_ring_attention``, cases "torch_*")
+against it too. Exits non-zero on a mismatch.
 
     TRITON_INTERPRET=1 python tests/distributed/ring_worker.py WORLD CASE[,CASE...] PORT
 """
@@ -17,6 +18,8 @@ CASES = {
     "full": (2, 2, 2, 32, 24, False),
     "gqa_causal": (1, 4, 2, 64, 40, True),
     "odd_dim": (1, 2, 1, 40, 20, True),
+    "torch_causal": (2, 2, 2, 48, 16, True),
+    "torch_gqa": (1, 4, 2, 64, 24, True),
 }
 
 
@@ -25,7 +28,12 @@ def run(rank: int, world: int, cases: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for case in cases.split(","):
-        check_errors(rank, world) if case == "errors" else check(rank, case)
+        if case == "errors":
+            check_errors(rank, world)
+        elif case.startswith("torch_"):
+            check_torch(rank, case)
+        else:
+            check(rank, case)
     dist.destroy_process_group()
 
 
@@ -59,6 +67,32 @@ def check(rank: int, case: str) -> None:
     print(f"rank {rank} {case}: {errors}", flush=True)
     if bad:
         raise SystemExit(f"rank {rank} {case}: errors {bad}")
+
+
+def check_torch(rank: int, case: str) -> None:
+    """PyTorch's ring over its CPU SDPA kernel: outputs and gradients of the full sequence's attention (it merges
+    the ring's partial results in float32, hence the looser bound)."""
+    from flashtrain import flash_attention
+    from flashtrain.distributed import shard_sequence, unshard_sequence
+    from flashtrain.distributed.torch_ring import torch_ring_attention
+
+    batch, heads_q, heads_kv, seq, head_dim, causal = CASES[case]
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, heads_q, seq, head_dim, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(batch, heads_kv, seq, head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(batch, heads_q, seq, head_dim, generator=gen, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*full, causal=causal)
+    out.backward(dout)
+    local = [shard_sequence(t, 2).requires_grad_() for t in (q, k, v)]
+    out_l = torch_ring_attention(*local)
+    out_l.backward(shard_sequence(dout, 2))
+    errors = {"out": (unshard_sequence(out_l.detach(), 2) - out).abs().max().item(),
+              **{f"d{n}": (unshard_sequence(t.grad, 2) - f.grad).abs().max().item()
+                 for n, t, f in zip("qkv", local, full)}}
+    print(f"rank {rank} {case}: {errors}", flush=True)
+    if not max(errors.values()) <= 1e-5 or out_l.dtype != torch.float64:
+        raise SystemExit(f"rank {rank} {case}: errors {errors}, dtype {out_l.dtype}")
 
 
 def check_errors(rank: int, world: int) -> None:

@@ -1,6 +1,7 @@
 """Context parallelism on this machine: gloo processes run ring_attention through Triton's interpreter and compare
-it with flash_attention on the full sequence in float64 (outputs, LSE, dq, dk, dv); the layout's round trip and its
-errors. Each case runs tests/distributed/ring_worker.py in a subprocess of P spawned processes."""
+it with flash_attention on the full sequence in float64 (outputs, LSE, dq, dk, dv); PyTorch's ring
+(torch_ring_attention) likewise; the layout's round trip and its errors. Each case runs
+tests/distributed/ring_worker.py in a subprocess of P spawned processes."""
 
 import os
 import subprocess
@@ -25,7 +26,7 @@ def run_worker(world: int, case: str, port: int) -> str:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("world, cases", [(2, "causal,full,odd_dim"), (4, "gqa_causal,errors")])
+@pytest.mark.parametrize("world, cases", [(2, "causal,full,odd_dim,torch_causal"), (4, "gqa_causal,errors,torch_gqa")])
 def test_ring_attention_equals_full_attention(world, cases):
     """One process group per world size runs several cases (spawning the processes costs more than a case)."""
     stdout = run_worker(world, cases, 29600 + world)
@@ -76,3 +77,29 @@ def test_rank_by_rank_simulation_equals_full_attention(size, causal, device):
     for r in range(size):
         torch.testing.assert_close(dk[r], shard_sequence_for(full[1].grad, 2, r, size), rtol=0, atol=1e-12)
         torch.testing.assert_close(dv[r], shard_sequence_for(full[2].grad, 2, r, size), rtol=0, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_torch_ring_runs_sdpa_flash_kernel_on_cuda(tmp_path):
+    """PyTorch's ring on one CUDA rank (a group of one: the SDPA flash kernel's forward and backward with the extra
+    outputs it hands from one to the other): bf16 output and gradients near flash_attention's."""
+    import torch.distributed as dist
+
+    from flashtrain.distributed.torch_ring import torch_ring_attention
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (torch.randn(2, 4, 256, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))
+        grads = []
+        for fn in (torch_ring_attention, lambda *t: flash_attention(*t, causal=True)):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*inputs)
+            out.backward(dout)
+            grads.append([out.detach(), *(t.grad for t in inputs)])
+        for got, want in zip(*grads):
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+    finally:
+        dist.destroy_process_group()
