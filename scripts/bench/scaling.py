@@ -8,8 +8,9 @@ rank 0's peak memory.
 - Data parallel (``--dp-*``): a fixed number of tokens per rank and step (weak scaling), W = 1, 2, 4, 8 GPUs under
   each strategy. Efficiency: tokens/s per GPU over the same strategy's one-GPU row.
 - Context parallel (``--cp-*``): one sequence split over P = W ranks (``context_parallel=P``, Lightning's
-  ModelParallelStrategy), ring attention; P = 1 is the one-GPU kernel. Efficiency: tokens/s per GPU over the P = 1
-  row of the same model and length (blank where that row ran out of memory).
+  ModelParallelStrategy), ring attention for each of ``--cp-attn``: flashtrain's (flash) and PyTorch's over SDPA's
+  flash kernel (sdpa); P = 1 is the one-GPU kernel. Efficiency: tokens/s per GPU over the P = 1 row of the same
+  attention, model and length (blank where that row ran out of memory).
 
     python scripts/bench/scaling.py --out benchmarks/results/scaling.csv          # a host with 8 GPUs
     python scripts/bench/scaling.py --report benchmarks/results/scaling.csv       # any machine
@@ -38,16 +39,17 @@ def plan(args) -> list[dict]:
     """The rows to run, in order: data parallel, then context parallel."""
     # tokens_per_step is per data-parallel replica: a context-parallel group trains one sequence a step
     rows = [dict(mode="dp", strategy=s, devices=w, context_parallel=1, model=args.dp_model, seq=args.dp_seq,
-                 tokens_per_step=args.dp_tokens_per_rank) for s in args.dp_strategies for w in args.dp_devices]
+                 attn=args.attn, tokens_per_step=args.dp_tokens_per_rank)
+            for s in args.dp_strategies for w in args.dp_devices]
     rows += [dict(mode="cp", strategy="model_parallel" if p > 1 else "auto", devices=p, context_parallel=p,
-                  model=m, seq=n, tokens_per_step=n)
-             for m in args.cp_models for n in args.cp_seqs for p in args.cp_sizes]
+                  model=m, seq=n, attn=a, tokens_per_step=n)
+             for m in args.cp_models for n in args.cp_seqs for a in args.cp_attn for p in args.cp_sizes]
     return rows
 
 
 def command(row: dict, args, out_dir: Path) -> list[str]:
     """The scripts/train.py command line of a row."""
-    return [sys.executable, str(REPO / "scripts" / "train.py"), f"attn={args.attn}", f"model={row['model']}",
+    return [sys.executable, str(REPO / "scripts" / "train.py"), f"attn={row['attn']}", f"model={row['model']}",
             f"seq_len={row['seq']}", f"tokens_per_step={row['tokens_per_step']}", f"trainer.devices={row['devices']}",
             f"trainer.strategy={row['strategy']}", f"context_parallel={row['context_parallel']}",
             f"trainer.max_steps={args.steps}", "trainer.log_every_n_steps=1", "trainer.val_check_interval=1000000",
@@ -90,7 +92,7 @@ def status_of(returncode: int, stderr: str) -> str:
 
 def run_row(row: dict, args) -> dict:
     """Run one planned row in a fresh process group; the row with its status and, when ok, its figures."""
-    row = dict(row, attn=args.attn, steps=args.steps, overrides=" ".join(args.overrides))
+    row = dict(row, steps=args.steps, overrides=" ".join(args.overrides))
     with tempfile.TemporaryDirectory() as tmp:
         try:
             result = subprocess.run(command(row, args, Path(tmp)), cwd=tmp, capture_output=True, text=True,
@@ -107,13 +109,14 @@ def run_row(row: dict, args) -> dict:
 
 
 def _baseline_key(row: dict) -> tuple:
-    """What a row's one-GPU baseline shares with it: the mode, the strategy (data parallel), the model and length."""
-    return row["mode"], row["strategy"] if row["mode"] == "dp" else "", row["model"], int(row["seq"])
+    """What a row's one-GPU baseline shares with it: the mode, the strategy (data parallel) or the attention
+    (context parallel), the model and length."""
+    return row["mode"], row["strategy"] if row["mode"] == "dp" else row["attn"], row["model"], int(row["seq"])
 
 
 def add_efficiency(rows: list[dict]) -> None:
     """Each ok row's tokens/s per GPU over its one-GPU baseline's: the same strategy's W = 1 row (data parallel),
-    the P = 1 row of the same model and length (context parallel)."""
+    the P = 1 row of the same attention, model and length (context parallel)."""
     base = {_baseline_key(r): r for r in rows if r["status"] == "ok" and int(r["devices"]) == 1}
     for r in rows:
         b = base.get(_baseline_key(r))
@@ -144,15 +147,15 @@ def bench(args) -> None:
 
 
 def report(path: str) -> str:
-    """Markdown tables: data parallel (a row per strategy, a column per W), context parallel (a row per model and
-    length, a column per P); each cell tokens/s per GPU (efficiency, peak GiB)."""
+    """Markdown tables: data parallel (a row per strategy, a column per W), context parallel (a row per attention,
+    model and length, a column per P); each cell tokens/s per GPU (efficiency, peak GiB)."""
     with open(path) as f:
         rows = list(csv.DictReader(f))
     if not rows:
         return f"{path}: no rows"
     first = rows[0]
     lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, {first['date']}; "
-             f"attn={first['attn']}; tokens/s per GPU (scaling efficiency, peak GiB allocated on rank 0); raw rows: "
+             "tokens/s per GPU (scaling efficiency, peak GiB allocated on rank 0); raw rows: "
              f"[`{path}`]({path})."]
 
     def cell(r):
@@ -167,7 +170,7 @@ def report(path: str) -> str:
         if not mine:
             continue
         sizes = sorted({int(r[key]) for r in mine})
-        head = "strategy | model | seq" if mode == "dp" else "model | seq"
+        head = "strategy | model | seq" if mode == "dp" else "attn | model | seq"
         lines += ["", f"| {head} | " + " | ".join(f"{label} = {s}" for s in sizes) + " |",
                   "|" + "---|" * (head.count("|") + 1 + len(sizes))]
         for group in dict.fromkeys(map(_baseline_key, mine)):  # a table row per baseline: the sizes beside it
@@ -175,8 +178,8 @@ def report(path: str) -> str:
             for s in sizes:
                 r = next((r for r in mine if _baseline_key(r) == group and int(r[key]) == s), None)
                 cells.append("" if r is None else cell(r))
-            _, strategy, model, seq = group
-            name = f"{strategy} | {model} | {seq}" if mode == "dp" else f"{model} | {seq}"
+            _, strategy_or_attn, model, seq = group
+            name = f"{strategy_or_attn} | {model} | {seq}"
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -185,7 +188,7 @@ def arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/scaling.csv")
     parser.add_argument("--report", metavar="CSV", help="print the markdown tables of a CSV and exit")
-    parser.add_argument("--attn", default="flash")
+    parser.add_argument("--attn", default="flash", help="the data-parallel rows' attention")
     parser.add_argument("--dp-model", default="gpt2-medium")
     parser.add_argument("--dp-seq", type=int, default=16384)
     parser.add_argument("--dp-tokens-per-rank", type=int, default=16384, help="tokens per rank and step")
@@ -194,6 +197,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--cp-models", nargs="*", default=["gpt2-small", "gpt2-medium"])
     parser.add_argument("--cp-seqs", nargs="*", type=int, default=[262144, 1048576])
     parser.add_argument("--cp-sizes", nargs="*", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--cp-attn", nargs="*", default=["flash", "sdpa"],
+                        help="context-parallel rows for each: flash (flashtrain's ring), sdpa (PyTorch's)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds a row may take")

@@ -20,12 +20,13 @@ def args_for(*argv):
 
 def test_plan_and_command(tmp_path):
     rows = bench_scaling.plan(args_for())
-    assert [(r["mode"], r["strategy"], r["devices"], r["context_parallel"]) for r in rows] == [
-        ("dp", "ddp", 1, 1), ("dp", "ddp", 2, 1), ("dp", "fsdp", 1, 1), ("dp", "fsdp", 2, 1),
-        ("cp", "auto", 1, 1), ("cp", "model_parallel", 4, 4)]
+    assert [(r["mode"], r["strategy"], r["devices"], r["context_parallel"], r["attn"]) for r in rows] == [
+        ("dp", "ddp", 1, 1, "flash"), ("dp", "ddp", 2, 1, "flash"), ("dp", "fsdp", 1, 1, "flash"),
+        ("dp", "fsdp", 2, 1, "flash"), ("cp", "auto", 1, 1, "flash"), ("cp", "model_parallel", 4, 4, "flash"),
+        ("cp", "auto", 1, 1, "sdpa"), ("cp", "model_parallel", 4, 4, "sdpa")]
     assert rows[1]["tokens_per_step"] == 16384 and rows[-1]["tokens_per_step"] == 262144  # one sequence a group
     cmd = bench_scaling.command(rows[-1], args_for(), tmp_path)
-    for option in ("model=gpt2-small", "seq_len=262144", "tokens_per_step=262144", "trainer.devices=4",
+    for option in ("attn=sdpa", "model=gpt2-small", "seq_len=262144", "tokens_per_step=262144", "trainer.devices=4",
                    "trainer.strategy=model_parallel", "context_parallel=4", "+callbacks.throughput.warmup_steps=2"):
         assert option in cmd
 
@@ -52,19 +53,26 @@ def test_metrics_efficiency_and_report(tmp_path):
                  tokens_per_s_per_gpu=920.0, peak_alloc_gib=3.0),
             dict(mode="cp", strategy="auto", devices=1, context_parallel=1, model="m", seq=64, status="OOM"),
             dict(mode="cp", strategy="model_parallel", devices=2, context_parallel=2, model="m", seq=64,
-                 status="ok", tokens_per_s_per_gpu=500.0, peak_alloc_gib=40.0)]
+                 status="ok", tokens_per_s_per_gpu=500.0, peak_alloc_gib=40.0),
+            dict(mode="cp", strategy="auto", devices=1, context_parallel=1, model="m", seq=64, attn="sdpa",
+                 status="ok", tokens_per_s_per_gpu=400.0, peak_alloc_gib=60.0),
+            dict(mode="cp", strategy="model_parallel", devices=2, context_parallel=2, model="m", seq=64,
+                 attn="sdpa", status="ok", tokens_per_s_per_gpu=300.0, peak_alloc_gib=40.0)]
+    for r in rows:
+        r.setdefault("attn", "flash")
     bench_scaling.add_efficiency(rows)
     assert rows[1]["efficiency"] == pytest.approx(0.92)
     assert "efficiency" not in rows[3]  # its one-GPU row ran out of memory
+    assert rows[5]["efficiency"] == pytest.approx(0.75)  # against PyTorch's own one-GPU row
     path = tmp_path / "scaling.csv"
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=bench_scaling.FIELDS, restval="", extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(bench_scaling.fmt(dict(r, attn="flash", gpu="GPU", torch="2", triton="3", date="d"))
-                         for r in rows)
+        writer.writerows(bench_scaling.fmt(dict(r, gpu="GPU", torch="2", triton="3", date="d")) for r in rows)
     table = bench_scaling.report(str(path))
     assert "| ddp | m | 16 | 1,000 (1.00, 3.0) | 920 (0.92, 3.0) |" in table
-    assert "| m | 64 | OOM | 500 (40.0) |" in table
+    assert "| flash | m | 64 | OOM | 500 (40.0) |" in table
+    assert "| sdpa | m | 64 | 400 (1.00, 60.0) | 300 (0.75, 40.0) |" in table
 
 
 def test_warmup_below_steps():
@@ -84,7 +92,7 @@ def test_a_context_parallel_row_end_to_end(tmp_path):
     sequence's tokens once."""
     out = tmp_path / "scaling.csv"
     bench_scaling.main(["--out", str(out), "--dp-devices", "--cp-models", "tiny", "--cp-seqs", "64", "--cp-sizes",
-                        "2", "--steps", "3", "--warmup", "1", "--overrides"])
+                        "2", "--cp-attn", "flash", "--steps", "3", "--warmup", "1", "--overrides"])
     (row,) = list(csv.DictReader(open(out)))
     assert (row["mode"], row["devices"], row["context_parallel"], row["status"]) == ("cp", "2", "2", "ok")
     assert float(row["tokens_per_s"]) * float(row["step_time_s"]) == pytest.approx(64, rel=0.02)
