@@ -13,8 +13,28 @@ heads first, as the SDPA kernels take equal head counts.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.distributed as dist
+
+_state = threading.local()  # inside_ring(): a ring's forward is running on this thread
+
+
+def inside_ring() -> bool:
+    """Whether this thread is inside the ring's forward: selective checkpointing then leaves the per-block SDPA
+    calls unsaved (their P partial outputs would cost a whole sequence's output a layer) and recomputes the ring."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _in_ring():
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
 
 
 def _ring_module():
@@ -51,8 +71,9 @@ class _TorchRing(torch.autograd.Function):
     def forward(ctx, q, k, v, group, scale):
         ring = _ring_module()
         forward, _, kwargs, _ = _kernels(q.device)
-        out, lse, *rest = ring._templated_ring_attention(group, 2, forward, q, k, v, is_causal=True, scale=scale,
-                                                         **kwargs)
+        with _in_ring():
+            out, lse, *rest = ring._templated_ring_attention(group, 2, forward, q, k, v, is_causal=True, scale=scale,
+                                                             **kwargs)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.rest = group, scale, rest
         return out

@@ -26,12 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from flashtrain.distributed import torch_ring
+
 from .loss import chunked_cross_entropy
 
 # Activation checkpointing per block: "none" keeps every activation; "full" keeps each block's input and recomputes
 # the block in the backward; "selective" keeps the input and the attention's output and LSE, and recomputes the
 # rest, so the flash forward (the costly part at long context) never runs twice. Ring attention (context
-# parallelism) launches its kernels inside an autograd.Function that the policy cannot see: it is recomputed.
+# parallelism) is recomputed: flashtrain's launches its kernels inside an autograd.Function that the policy cannot
+# see, and PyTorch's ring (attn=sdpa) calls SDPA kernels per block, whose P partial outputs the policy leaves alone.
 CHECKPOINTING = ("none", "selective", "full")
 
 
@@ -49,7 +52,8 @@ def _saved_ops() -> tuple:
 
 
 def _keep_attention(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in _saved_ops() and not torch_ring.inside_ring()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpoint_contexts():

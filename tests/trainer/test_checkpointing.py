@@ -123,3 +123,19 @@ def test_offload_lowers_the_cuda_peak_by_the_blocks_inputs():
     assert results[True][1] == results[False][1]  # the forward is the same computation
     for g, r in zip(results[True][2], results[False][2]):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_selective_policy_saves_sdpa_but_not_the_torch_rings_blocks():
+    """Selective checkpointing keeps an SDPA kernel's output, except inside PyTorch's ring (attn=sdpa with context
+    parallelism), whose per-block partial outputs are recomputed rather than kept."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from flashtrain.distributed import torch_ring
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention.default
+    assert model_module._keep_attention(None, op) == CheckpointPolicy.MUST_SAVE
+    with torch_ring._in_ring():
+        assert torch_ring.inside_ring()
+        assert model_module._keep_attention(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert not torch_ring.inside_ring()
+    assert model_module._keep_attention(None, torch.ops.aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE
