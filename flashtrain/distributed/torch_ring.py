@@ -40,10 +40,10 @@ def _in_ring():
 def _ring_module():
     try:
         from torch.distributed.tensor.experimental._context_parallel import _attention
-    except ImportError as error:  # the module moved there in torch 2.9
+    except ImportError as error:  # private: present in the pinned torch 2.11
         raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.tensor.experimental._context_parallel:"
-                           " PyTorch's ring attention (attn=sdpa with context_parallel > 1) needs torch >= 2.9; "
-                           "attn=flash runs flashtrain's ring on any") from error
+                           " PyTorch's ring attention (attn=sdpa with context_parallel > 1) needs the torch this "
+                           "package pins (2.11); attn=flash runs flashtrain's ring on any") from error
     if not _attention._cp_options.enable_load_balance:
         raise RuntimeError("torch's context-parallel load balance is off (_cp_options.enable_load_balance=False): "
                            "the shards here are in its head-tail layout, which needs it on")

@@ -88,11 +88,13 @@ def test_status_of_a_failed_row():
 
 @pytest.mark.interpreter
 def test_a_context_parallel_row_end_to_end(tmp_path):
-    """Two gloo processes split one sequence (ring attention through the interpreter): the row is ok and counts the
-    sequence's tokens once."""
+    """Two gloo processes split one sequence, with flashtrain's ring (through the interpreter) and with PyTorch's:
+    each row is ok and counts the sequence's tokens once."""
     out = tmp_path / "scaling.csv"
     bench_scaling.main(["--out", str(out), "--dp-devices", "--cp-models", "tiny", "--cp-seqs", "64", "--cp-sizes",
-                        "2", "--cp-attn", "flash", "--steps", "3", "--warmup", "1", "--overrides"])
-    (row,) = list(csv.DictReader(open(out)))
-    assert (row["mode"], row["devices"], row["context_parallel"], row["status"]) == ("cp", "2", "2", "ok")
-    assert float(row["tokens_per_s"]) * float(row["step_time_s"]) == pytest.approx(64, rel=0.02)
+                        "2", "--cp-attn", "flash", "sdpa", "--steps", "3", "--warmup", "1", "--overrides"])
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["mode"], r["attn"], r["devices"], r["context_parallel"], r["status"]) for r in rows] == [
+        ("cp", "flash", "2", "2", "ok"), ("cp", "sdpa", "2", "2", "ok")]
+    for row in rows:
+        assert float(row["tokens_per_s"]) * float(row["step_time_s"]) == pytest.approx(64, rel=0.02)
