@@ -7,8 +7,8 @@ underneath that context manager directly: ``_templated_ring_attention`` and its 
 which run one SDPA kernel call per ring step and merge the partial outputs through their LSE in float32. The kernel
 is SDPA's flash kernel on CUDA (FlashAttention-2) and its CPU flash kernel elsewhere (the gloo tests).
 
-Causal only (PyTorch's load balance assumes it); keys and values with fewer heads (GQA) are repeated to the query
-heads first, as the SDPA kernels take equal head counts.
+Causal only (PyTorch's load balance assumes it); float16 or bfloat16 on CUDA (the flash kernel's types); keys and
+values with fewer heads (GQA) are repeated to the query heads first, as the SDPA kernels take equal head counts.
 """
 
 from __future__ import annotations
@@ -105,6 +105,9 @@ def torch_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
                          "chunks of the load-balanced layout)")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}: expected a multiple (GQA)")
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"q is {q.dtype} on CUDA: PyTorch's ring runs SDPA's flash kernel there, which takes float16 "
+                         "or bfloat16 (trainer.precision=bf16-mixed), or use attn=flash")
     if q.shape[1] != k.shape[1]:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

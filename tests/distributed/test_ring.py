@@ -103,3 +103,17 @@ def test_torch_ring_runs_sdpa_flash_kernel_on_cuda(tmp_path):
             torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (((1, 2, 8, 16), (1, 2, 6, 16)), r"q has 8 rows and k 6: expected equal, even shard lengths"),
+    (((1, 2, 7, 16), (1, 2, 7, 16)), r"q has 7 rows and k 7: expected equal, even"),
+    (((1, 3, 8, 16), (1, 2, 8, 16)), r"q has 3 heads and k 2: expected a multiple"),
+    (((1, 2, 8, 16), (1, 2, 8, 8)), r"expected \(batch, heads, N / P, head_dim\)"),
+])
+def test_torch_ring_refuses_shards_it_cannot_run(shapes, message):
+    from flashtrain.distributed.torch_ring import torch_ring_attention
+
+    q_shape, kv_shape = shapes
+    with pytest.raises(ValueError, match=message):
+        torch_ring_attention(torch.zeros(q_shape), torch.zeros(kv_shape), torch.zeros(kv_shape))

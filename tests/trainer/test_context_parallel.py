@@ -19,13 +19,14 @@ from .test_train import REPO, SMALL, config, losses_by_step, read_metrics
 CPU2 = ["trainer.accelerator=cpu", "trainer.devices=2"]
 
 
-def launch(tmp_path, name: str, *overrides, attn: str = "flash") -> tuple[subprocess.Popen, object]:
-    """scripts/train.py in a subprocess writing to tmp_path / name: (the process, its run directory)."""
+def launch(tmp_path, name: str, *overrides, attn: str = "flash", gpu: bool = False) -> tuple[subprocess.Popen, object]:
+    """scripts/train.py in a subprocess writing to tmp_path / name (through the interpreter unless ``gpu``): (the
+    process, its run directory)."""
     run_dir = tmp_path / name
     run_dir.mkdir()
     cmd = [sys.executable, str(REPO / "scripts" / "train.py"), f"attn={attn}", *SMALL, "logger=csv",
            "trainer.max_steps=3", "callbacks.checkpoint=null", *overrides, f"hydra.run.dir={run_dir}"]
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ) if gpu else dict(os.environ, TRITON_INTERPRET="1")
     return subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True), run_dir
 
@@ -54,6 +55,22 @@ def test_two_process_context_parallel_reproduces_one_process(attn, tmp_path):
     assert perf
     for r in perf:  # batch 2 x 64 tokens per step, each on one of the two ranks
         assert float(r["perf/tokens_per_s"]) * float(r["perf/step_time_s"]) == pytest.approx(2 * 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("attn", ["flash", "sdpa"])
+def test_two_gpu_context_parallel_reproduces_one_gpu(attn, tmp_path):
+    """NCCL over two GPUs, bf16-mixed: context_parallel=2 with flashtrain's ring (flash) or PyTorch's (sdpa) gives
+    the one-GPU run's losses within bf16's rounding of a different summation order."""
+    single, single_dir = launch(tmp_path, "one", "trainer.devices=1", attn=attn, gpu=True)
+    finish(single)
+    sharded, sharded_dir = launch(tmp_path, "cp", "trainer.devices=2", "context_parallel=2", attn=attn, gpu=True)
+    finish(sharded)
+    expected, got = losses_by_step(read_metrics(single_dir)), losses_by_step(read_metrics(sharded_dir))
+    assert sorted(expected) == [0, 1, 2] and sorted(got) == [0, 1, 2]
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-2), step
 
 
 def test_a_context_parallel_config_builds_the_mesh_strategy(tmp_path):
