@@ -33,6 +33,16 @@ from .layout import group_rank_size
 FN = "ring_attention"
 
 
+def check_shards(fn: str, q: Tensor, k: Tensor, v: Tensor, causal, scale, return_lse) -> float:
+    """``flash_attention``'s checks of a rank's shards, then equal, even shard lengths (two chunks of the
+    load-balanced layout each); returns the softmax scale. ``fn`` names the caller in the error."""
+    scale = check_inputs(q, k, v, causal, scale, return_lse, None, 0.0)
+    if q.shape[2] != k.shape[2] or q.shape[2] % 2:
+        raise ValueError(f"{fn}: q has {q.shape[2]} rows and k {k.shape[2]}; expected the same even number (two "
+                         "chunks of the load-balanced layout each)")
+    return scale
+
+
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
                    group=None, return_lse: bool = False):
     """This rank's shard of ``flash_attention(Q, K, V, causal=causal, scale=scale)`` over the full sequences, from
@@ -53,10 +63,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sca
     if size == 1:
         from flashtrain.ops.attention import flash_attention
         return flash_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
-    scale = check_inputs(q, k, v, causal, scale, return_lse, None, 0.0)
-    if q.shape[2] != k.shape[2] or q.shape[2] % 2:
-        raise ValueError(f"{FN}: q has {q.shape[2]} rows and k {k.shape[2]}; expected the same even number (two "
-                         "chunks of the load-balanced layout each)")
+    scale = check_shards(FN, q, k, v, causal, scale, return_lse)
     _check_same_shards(q, k, group, rank, size)
     out, lse2 = _RingAttention.apply(q, k, v, causal, scale, group)
     return (out, natural_lse(lse2)) if return_lse else out

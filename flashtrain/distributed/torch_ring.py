@@ -19,6 +19,9 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .ring import check_shards
+
+FN = "torch_ring_attention"
 _state = threading.local()  # inside_ring(): a ring's forward is running on this thread
 
 
@@ -97,17 +100,10 @@ def torch_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     load-balanced layout (``shard_sequence``), heads_q a multiple of heads_kv; group: the P ranks (default: the
     world); scale: default 1 / sqrt(head_dim). Returns this rank's (batch, heads_q, N / P, head_dim) rows.
     Differentiable in q, k, v."""
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected (batch, heads, "
-                         "N / P, head_dim) each, k and v alike")
-    if q.shape[2] != k.shape[2] or q.shape[2] % 2:
-        raise ValueError(f"q has {q.shape[2]} rows and k {k.shape[2]}: expected equal, even shard lengths (two "
-                         "chunks of the load-balanced layout)")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}: expected a multiple (GQA)")
+    scale = check_shards(FN, q, k, v, True, scale, False)
     if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"q is {q.dtype} on CUDA: PyTorch's ring runs SDPA's flash kernel there, which takes float16 "
-                         "or bfloat16 (trainer.precision=bf16-mixed), or use attn=flash")
+        raise ValueError(f"{FN}: q is {q.dtype} on CUDA: PyTorch's ring runs SDPA's flash kernel there, which takes "
+                         "float16 or bfloat16 (trainer.precision=bf16-mixed), or use attn=flash")
     if q.shape[1] != k.shape[1]:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

@@ -106,10 +106,10 @@ def test_torch_ring_runs_sdpa_flash_kernel_on_cuda(tmp_path):
 
 
 @pytest.mark.parametrize("shapes, message", [
-    (((1, 2, 8, 16), (1, 2, 6, 16)), r"q has 8 rows and k 6: expected equal, even shard lengths"),
-    (((1, 2, 7, 16), (1, 2, 7, 16)), r"q has 7 rows and k 7: expected equal, even"),
-    (((1, 3, 8, 16), (1, 2, 8, 16)), r"q has 3 heads and k 2: expected a multiple"),
-    (((1, 2, 8, 16), (1, 2, 8, 8)), r"expected \(batch, heads, N / P, head_dim\)"),
+    (((1, 2, 8, 16), (1, 2, 6, 16)), r"torch_ring_attention: q has 8 rows and k 6; expected the same even"),
+    (((1, 2, 7, 16), (1, 2, 7, 16)), r"torch_ring_attention: q has 7 rows and k 7; expected the same even"),
+    (((1, 3, 8, 16), (1, 2, 8, 16)), r"heads_q=3 \(q.shape\[1\]\) must be a multiple of heads_kv=2"),
+    (((1, 2, 8, 16), (1, 2, 8, 8)), r"head dims differ"),
 ])
 def test_torch_ring_refuses_shards_it_cannot_run(shapes, message):
     from flashtrain.distributed.torch_ring import torch_ring_attention
