@@ -67,6 +67,8 @@ def offload_saved_tensors(keep: tuple[torch.Tensor, ...] = ()):
     saves are each checkpoint's inputs (the checkpoint's own hooks hold everything inside the block): the blocks'
     (B, T, C) fp32 residual inputs, 3 KB a token a layer at n_embd 768, leave the GPU. The copy out is synchronous
     (the host waits for it); the copy back is queued on the current stream ahead of the block's recompute."""
+    # torch.autograd.graph.save_on_cpu(pin_memory=True) copies the same way but has no ``keep``: every block would
+    # copy the shared rotary tables too (12 x 256 MiB of pinned memory and copies a step at 1M; estimated, not timed)
     kept = {t.data_ptr() for t in keep}
 
     def pack(tensor):
